@@ -1,0 +1,575 @@
+"""minirl's RL math: masked statistics, log-probs/entropy, advantage estimators, KL penalties, loss aggregation,
+PPO policy/value losses and KL controllers. Pure torch: no distributed calls, no config objects, no model.
+
+Every function follows verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py, tag
+v0.5.0; see /work/shared/reference/verl-semantics.md sections 1-2); each docstring gives the formula and verl's name.
+
+Shapes: B = responses, R = padded response length, V = vocabulary. `mask` is the response mask [B, R]
+(1 on trained tokens, 0 on padding and tool/user tokens).
+
+Usage (what the trainer does each step):
+    adv, ret = compute_advantages(name, token_rewards=r, mask=m, group_ids=uids)   # [B, R] each
+    tokens, seqs = global_counts(local_mini_batch_mask)    # then all-reduce (sum) over ranks
+    loss, metrics = policy_loss(old_logp, logp, adv, m, agg_mode="token-mean",
+                                global_tokens=tokens, global_seqs=seqs)   # this micro-batch's share
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+GroupIds = Union[Sequence, np.ndarray, Tensor]
+
+WHITEN_EPS = 1e-8  # verl's epsilon in masked_mean and masked_whiten
+
+# ------------------------------------------------------------------------------------------------------------------
+# Masked statistics (verl/utils/torch_functional.py)
+
+
+def _masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """Σ x·m, with x zeroed where m == 0 first so NaN/inf on padding cannot leak in (verl `masked_sum`)."""
+    mask = mask.to(x.dtype)
+    kept = torch.where(mask != 0, x, 0.0) * mask
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _mask_count(mask: Tensor, dim=None) -> Tensor:
+    return mask.sum() if dim is None else mask.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """Σ x·m / (Σ m + 1e-8) over `dim` (all elements when None). An empty mask gives 0, not NaN."""
+    return _masked_sum(x, mask, dim) / (_mask_count(mask, dim) + WHITEN_EPS)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """masked_mean((x − μ)²) over the whole tensor, times N/(N−1) when unbiased (N = Σ m)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = float(mask.sum())
+        if count == 0:
+            raise ValueError("masked_var: the mask is empty (sum 0); at least one element must be 1")
+        if count == 1:
+            raise ValueError("masked_var: the mask sums to 1, so the unbiased variance divides by zero; "
+                             "pass unbiased=False or a mask with at least 2 elements")
+        var = var * (count / (count - 1))
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x − μ)·rsqrt(var + 1e-8) with the masked mean and unbiased variance of the whole tensor; when shift_mean
+    is False the mean is added back. Positions where mask == 0 are transformed too (callers multiply by the mask)."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Log-probs and entropy
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[label] = logit[label] − logsumexp(logits), computed in fp32. [..., V], [...] -> [...] fp32.
+    log_softmax subtracts the row max first, so large logits lose no precision (logit − logsumexp would)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
+    return log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z per position, in fp32. [..., V] -> [...] fp32. z is shifted by its row max
+    first (H does not change) so large logits do not cancel catastrophically.
+
+    chunk_size bounds the fp32 temporaries to chunk_size rows × V (verl's chunked variant uses 2048); None
+    processes all rows at once. Differentiable either way. Logits must be finite (−inf gives 0·−inf = NaN)."""
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"entropy_from_logits: chunk_size must be a positive int or None, got {chunk_size}")
+    lead_shape = logits.shape[:-1]
+    rows = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    step = max(1, rows.shape[0]) if chunk_size is None else int(chunk_size)
+    pieces = []
+    for start in range(0, rows.shape[0], step):
+        z = rows[start:start + step].float()  # [n, V]
+        z = z - z.amax(-1, keepdim=True).detach()
+        probs = torch.softmax(z, dim=-1)
+        pieces.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(-1))  # [n]
+    entropy = torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+    return entropy.reshape(lead_shape)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Advantage estimators. Each returns (advantages [B, R], returns [B, R]) and runs without autograd, as verl.
+# Outcome estimators take scores [B] (= token_rewards.sum(-1)); responses sharing a group id (verl's "uid",
+# one per prompt) form a group. Group statistics are vectorised with a dense group index and index_add.
+
+
+def _group_index(group_ids: GroupIds, batch_size: int, device) -> tuple[Tensor, int]:
+    """Dense group index [B] in 0..G-1 and G, from uids (list/np.array of str or int) or an integer tensor."""
+    if isinstance(group_ids, Tensor):
+        if group_ids.dtype.is_floating_point or group_ids.dim() != 1:
+            raise ValueError(f"group_ids tensor must be 1-D integer, got dtype {group_ids.dtype} shape "
+                             f"{tuple(group_ids.shape)}")
+        uniques, index = torch.unique(group_ids, return_inverse=True)
+    else:
+        ids = np.asarray(group_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"group_ids must be 1-D (one uid per response), got shape {ids.shape}")
+        try:
+            uniques, inverse = np.unique(ids, return_inverse=True)
+        except TypeError as err:
+            raise ValueError(f"group_ids must all be of one sortable type (all str or all int): {err}") from None
+        index = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
+    if index.numel() != batch_size:
+        raise ValueError(f"group_ids has {index.numel()} entries but the batch has {batch_size} responses; "
+                         "pass one uid per response")
+    return index.to(device), len(uniques)
+
+
+def _check_outcome_inputs(scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [B] (one sequence score per response), got shape {tuple(scores.shape)}; "
+                         "use token_rewards.sum(-1)")
+    if mask.dim() != 2 or mask.shape[0] != scores.shape[0]:
+        raise ValueError(f"mask must be [B, R] with B = {scores.shape[0]}, got shape {tuple(mask.shape)}")
+    scores = scores if scores.dtype.is_floating_point else scores.float()
+    return scores, mask.to(scores.dtype)
+
+
+def _group_sum(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
+    return values.new_zeros(num_groups).index_add_(0, index, values)  # [G]
+
+
+def _group_mean_std(scores: Tensor, index: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-response group size, mean and UNBIASED std, each [B]. Singleton groups get mean 0, std 1 (verl)."""
+    counts = torch.bincount(index, minlength=num_groups).to(scores.dtype)  # [G]
+    mean = _group_sum(scores, index, num_groups) / counts  # [G]
+    squares = _group_sum((scores - mean[index]) ** 2, index, num_groups)  # [G]
+    std = (squares / (counts - 1).clamp(min=1)).sqrt()  # [G]
+    singleton = counts == 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    return counts[index], mean[index], std[index]  # [B] each
+
+
+def _per_token(per_response: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    advantages = per_response.unsqueeze(-1) * mask  # [B, R]
+    return advantages, advantages.clone()
+
+
+@torch.no_grad()
+def grpo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """verl `compute_grpo_outcome_advantage`: A_i = (s_i − mean_g)/(std_g + eps), or s_i − mean_g when
+    norm_by_std is False (Dr.GRPO). std is unbiased; singleton groups use mean 0, std 1; no batch whitening.
+    advantages = returns = A_i·m."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    _, mean, std = _group_mean_std(scores, index, num_groups)
+    centered = scores - mean  # [B]
+    return _per_token(centered / (std + eps) if norm_by_std else centered, mask)
+
+
+@torch.no_grad()
+def rloo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """verl `compute_rloo_outcome_advantage`: A_i = n/(n−1)·(s_i − mean_g) = s_i − mean(others) for n > 1,
+    A_i = s_i for a singleton group. advantages = returns = A_i·m."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    size, mean, _ = _group_mean_std(scores, index, num_groups)
+    leave_one_out = size / (size - 1).clamp(min=1) * (scores - mean)  # [B]
+    return _per_token(torch.where(size > 1, leave_one_out, scores), mask)
+
+
+@torch.no_grad()
+def opo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """verl `compute_opo_outcome_advantage`: A_i = s_i − b_g with the length-weighted baseline
+    b_g = Σ_j len_j·s_j / Σ_j len_j (len = Σ_t m); singleton groups use b = 0. A group whose responses are all
+    empty gets b = 0 here (verl divides 0/0 there). advantages = returns = A_i·m."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    lengths = mask.sum(-1)  # [B]
+    weighted = _group_sum(lengths * scores, index, num_groups)  # [G]
+    total_len = _group_sum(lengths, index, num_groups)  # [G]
+    counts = torch.bincount(index, minlength=num_groups)  # [G]
+    usable = (counts > 1) & (total_len > 0)
+    baseline = torch.where(usable, weighted / torch.where(usable, total_len, torch.ones_like(total_len)),
+                           torch.zeros_like(weighted))  # [G]
+    return _per_token(scores - baseline[index], mask)
+
+
+@torch.no_grad()
+def gpg_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """verl `compute_gpg_outcome_advantage` (f_norm = 1): A_i = α·(s_i − mean_g) with α = B / max(1, #{s ≠ 0});
+    singleton groups use mean 0. advantages = returns = A_i·m."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    _, mean, _ = _group_mean_std(scores, index, num_groups)
+    alpha = scores.shape[0] / max(1, int(torch.count_nonzero(scores)))
+    return _per_token(alpha * (scores - mean), mask)
+
+
+@torch.no_grad()
+def grpo_passk_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor,
+                          norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """verl `compute_grpo_passk_outcome_advantage`: only each group's best response gets
+    (max_g − second_max_g), divided by (unbiased std_g + eps) when norm_by_std; everyone else gets 0.
+    Every group needs at least 2 responses. With a tie for the best, the advantage is 0 whichever wins.
+    advantages = returns = A_i·m."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    size, _, std = _group_mean_std(scores, index, num_groups)
+    if bool((size < 2).any()):
+        first_bad = int(torch.nonzero(size < 2)[0])
+        raise ValueError(f"grpo_passk needs at least 2 responses per group; response {first_bad} is alone in its "
+                         "group (set rollout.n >= 2)")
+    group_max = scores.new_full((num_groups,), -torch.inf).scatter_reduce_(0, index, scores, "amax")  # [G]
+    is_max = scores == group_max[index]  # [B]
+    positions = torch.arange(scores.shape[0], device=scores.device)
+    first_max_pos = torch.full((num_groups,), scores.shape[0], device=scores.device).scatter_reduce_(
+        0, index, torch.where(is_max, positions, scores.shape[0]), "amin")  # [G] position of each group's winner
+    is_winner = positions == first_max_pos[index]  # [B]
+    runner_up = scores.new_full((num_groups,), -torch.inf).scatter_reduce_(
+        0, index, torch.where(is_winner, -torch.inf, scores), "amax")  # [G]
+    gap = group_max[index] - runner_up[index]  # [B]
+    if norm_by_std:
+        gap = gap / (std + eps)
+    return _per_token(torch.where(is_winner, gap, torch.zeros_like(gap)), mask)
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """verl `compute_reinforce_plus_plus_baseline_outcome_advantage`: (s_i − mean_g) (singleton mean 0) tiled over
+    R, times m, then masked_whiten over the whole batch, times m. advantages = returns."""
+    scores, mask = _check_outcome_inputs(scores, mask)
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    _, mean, _ = _group_mean_std(scores, index, num_groups)
+    tiled = (scores - mean).unsqueeze(-1) * mask  # [B, R]
+    advantages = masked_whiten(tiled, mask) * mask
+    return advantages, advantages.clone()
+
+
+def _check_token_inputs(token_rewards: Tensor, mask: Tensor, **others: Tensor) -> Tensor:
+    if token_rewards.dim() != 2 or mask.shape != token_rewards.shape:
+        raise ValueError(f"token_rewards and mask must both be [B, R]; got {tuple(token_rewards.shape)} and "
+                         f"{tuple(mask.shape)}")
+    for name, tensor in others.items():
+        if tensor.shape != token_rewards.shape:
+            raise ValueError(f"{name} must be [B, R] = {tuple(token_rewards.shape)}, got {tuple(tensor.shape)}")
+    return mask.to(token_rewards.dtype)
+
+
+@torch.no_grad()
+def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+                   lam: float) -> tuple[Tensor, Tensor]:
+    """verl `compute_gae_advantage_return`. Backward over t with next_value = last = 0:
+        delta = r_t + γ·next_value − V_t;   gae_t = delta + γλ·last
+        where m_t == 0 (padding, tool tokens) next_value and last carry over unchanged, so those tokens are skipped;
+        A_t = last (after the update).
+    returns = A + V (before whitening); advantages = masked_whiten(A, m) over the whole batch.
+    `values` should be the critic's values × m, as verl's critic returns them; values on masked tokens only affect
+    `returns` there."""
+    mask = _check_token_inputs(token_rewards, mask, values=values)
+    # time-major contiguous copies so each step reads one contiguous row of B numbers
+    reward_minus_value = (token_rewards - values).t().contiguous()  # [R, B]
+    values_t, mask_t = values.t().contiguous(), mask.t().contiguous()  # [R, B]
+    raw_t = torch.empty_like(reward_minus_value)  # [R, B]
+    next_value = torch.zeros_like(reward_minus_value[0])  # [B]
+    last = torch.zeros_like(reward_minus_value[0])  # [B]
+    for t in range(raw_t.shape[0] - 1, -1, -1):
+        gae_t = torch.add(reward_minus_value[t], next_value, alpha=gamma).add_(last, alpha=gamma * lam)
+        # lerp(a, b, m) = b where m = 1 and a where m = 0 (exact at both ends): verl's b·m + (1 − m)·a
+        next_value = torch.lerp(next_value, values_t[t], mask_t[t])
+        last = torch.lerp(last, gae_t, mask_t[t], out=raw_t[t])
+    raw = raw_t.t().contiguous()  # [B, R]
+    return masked_whiten(raw, mask), raw + values
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """verl `compute_reinforce_plus_plus_outcome_advantage`: backward G_t = r_t + γ·G_{t+1}, and after storing
+    G_t the running return is multiplied by m_t (reset at masked tokens). returns = G (not masked);
+    advantages = masked_whiten(G, m)·m over the whole batch."""
+    mask = _check_token_inputs(token_rewards, mask)
+    rewards_t, mask_t = token_rewards.t().contiguous(), mask.t().contiguous()  # [R, B]
+    returns_t = torch.empty_like(rewards_t)  # [R, B]
+    running = torch.zeros_like(rewards_t[0])  # [B]
+    for t in range(rewards_t.shape[0] - 1, -1, -1):
+        torch.add(rewards_t[t], running, alpha=gamma, out=returns_t[t])
+        running = returns_t[t] * mask_t[t]
+    returns = returns_t.t().contiguous()  # [B, R]
+    return masked_whiten(returns, mask) * mask, returns
+
+
+@torch.no_grad()
+def remax_advantages(token_rewards: Tensor, baselines: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """verl `compute_remax_outcome_advantage`: returns_t = Σ_{t' ≥ t} r_t'·m_t' (reverse cumsum);
+    advantages = returns − b_i·m, with b_i [B] the reward of the greedy rollout for response i."""
+    mask = _check_token_inputs(token_rewards, mask)
+    if baselines.shape != token_rewards.shape[:1]:
+        raise ValueError(f"baselines must be [B] = ({token_rewards.shape[0]},), got {tuple(baselines.shape)}")
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, R]
+    return returns - baselines.unsqueeze(-1).to(returns.dtype) * mask, returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "gae": gae_advantages,
+    "grpo": grpo_advantages,
+    "reinforce_plus_plus": reinforce_pp_advantages,
+    "reinforce_plus_plus_baseline": reinforce_pp_baseline_advantages,
+    "remax": remax_advantages,
+    "rloo": rloo_advantages,
+    "opo": opo_advantages,
+    "grpo_passk": grpo_passk_advantages,
+    "gpg": gpg_advantages,
+}
+CRITIC_FREE_ESTIMATORS = tuple(name for name in ADVANTAGE_ESTIMATORS if name != "gae")  # verl: use_critic iff gae
+_GROUPED_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
+
+
+def compute_advantages(name: str, *, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds | None = None,
+                       values: Tensor | None = None, baselines: Tensor | None = None, gamma: float = 1.0,
+                       lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True) -> tuple[Tensor, Tensor]:
+    """Run the estimator `name` (algorithm.adv_estimator) with the inputs it needs; outcome estimators use
+    scores = token_rewards.sum(-1), as verl. Returns (advantages [B, R], returns [B, R])."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown adv_estimator '{name}'; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    needed = {"group_ids": name in _GROUPED_ESTIMATORS, "values": name == "gae", "baselines": name == "remax"}
+    given = {"group_ids": group_ids, "values": values, "baselines": baselines}
+    missing = [key for key, need in needed.items() if need and given[key] is None]
+    if missing:
+        raise ValueError(f"adv_estimator '{name}' needs {', '.join(missing)}")
+    if name == "gae":
+        return gae_advantages(token_rewards, values, mask, gamma, lam)
+    if name == "reinforce_plus_plus":
+        return reinforce_pp_advantages(token_rewards, mask, gamma)
+    if name == "remax":
+        return remax_advantages(token_rewards, baselines, mask)
+    scores = token_rewards.sum(-1)  # [B]
+    if name in ("grpo", "grpo_passk"):
+        return ADVANTAGE_ESTIMATORS[name](scores, group_ids, mask, norm_by_std=norm_adv_by_std_in_grpo)
+    return ADVANTAGE_ESTIMATORS[name](scores, group_ids, mask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# KL penalty estimators (verl `kl_penalty`), d = logprob − ref_logprob per token
+
+_KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTY_KINDS = _KL_ESTIMATORS + tuple(kind + "+" for kind in _KL_ESTIMATORS)
+
+
+def _kl_estimate(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    if kind in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kind == "abs":
+        return (logprob - ref_logprob).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    # low_var_kl / k3: exp(x) − x − 1 with x = ref − logp clamped to ±20, result clamped to ±10 (verl's guards)
+    log_ratio = torch.clamp(ref_logprob - logprob, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate [B, R]: kl/k1 = d, abs = |d|, mse/k2 = ½d², low_var_kl/k3 = clamp(e^x − x − 1, ±10)
+    with x = clamp(−d, ±20). A trailing '+' (verl HEAD) is straight-through: the forward value is the estimator's,
+    the gradient is k2's (d/dlogp = d); k2+/mse+ equal k2."""
+    if kind == "full":
+        raise NotImplementedError("kl_penalty 'full' (KL over the whole vocabulary) is not implemented, as in verl; "
+                                  f"use one of {KL_PENALTY_KINDS}")
+    if kind not in KL_PENALTY_KINDS:
+        raise ValueError(f"unknown kl_penalty kind '{kind}'; valid: {', '.join(KL_PENALTY_KINDS)}")
+    estimate = _kl_estimate(logprob, ref_logprob, kind.rstrip("+"))
+    if not kind.endswith("+"):
+        return estimate
+    k2 = 0.5 * (logprob - ref_logprob).square()
+    return k2 - k2.detach() + estimate.detach()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Loss aggregation
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def global_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(tokens, seqs) of a (local) mask as int64 0-dim tensors: tokens = number of mask entries ≠ 0, seqs = number
+    of rows with at least one such entry. The trainer sums them over all micro-batches and ranks of a mini-batch
+    (all-reduce) and passes them to agg_loss as global_tokens / global_seqs. The mask must be 0/1."""
+    nonzero = mask != 0  # [B, R]
+    return nonzero.sum(), nonzero.any(-1).sum()
+
+
+def _as_count(value, name: str) -> float:
+    count = float(value)
+    if count < 0:
+        raise ValueError(f"agg_loss: {name} must be >= 0, got {count}")
+    return count
+
+
+def _divide_or_zero(total: Tensor, count: float) -> Tensor:
+    """total / count; 0 when the whole mini-batch has nothing to train on (count 0) instead of NaN."""
+    return total / count if count > 0 else total * 0.0
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_tokens=None, global_seqs=None,
+             norm_len: int | None = None) -> Tensor:
+    """Reduce a per-token loss [B, R] to a scalar (verl `agg_loss`).
+
+    Without global counts: verl v0.5.0's per-micro-batch formula, quirks included:
+        token-mean               Σ L·m / (Σ m + 1e-8)
+        seq-mean-token-sum       mean_i Σ_t L·m
+        seq-mean-token-mean      mean_i (Σ_t L·m / Σ_t m)          (a fully masked row gives NaN)
+        seq-mean-token-sum-norm  Σ_i Σ_t L·m / (norm_len or R)     (SUMS over rows, R = mask.shape[-1])
+    With global counts (global_tokens = Σ m, global_seqs = #non-empty rows, both over the whole mini-batch: all
+    micro-batches and ranks, see global_counts): this micro-batch's SHARE of the mini-batch loss, so the shares sum
+    to exactly the full-batch loss:
+        token-mean               Σ L·m / global_tokens
+        seq-mean-token-sum       Σ_i Σ_t L·m / global_seqs
+        seq-mean-token-mean      Σ_{i non-empty} (Σ_t L·m / Σ_t m) / global_seqs   (empty rows contribute 0)
+        seq-mean-token-sum-norm  Σ_i Σ_t L·m / (norm_len or R) / global_seqs
+    The global -norm mode is a MEAN over sequences (Dr.GRPO as written, verl HEAD's fix), deliberately unlike the
+    v0.5.0 per-batch sum. A global count of 0 gives a share of 0. norm_len is used by the -norm mode only
+    (verl HEAD's actor.loss_scale_factor)."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(LOSS_AGG_MODES)}")
+    if loss_mat.shape != mask.shape:
+        raise ValueError(f"agg_loss: loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} differ in shape")
+    use_global = global_tokens is not None or global_seqs is not None
+    needed_name, needed_count = ("global_tokens", global_tokens) if mode == "token-mean" else ("global_seqs",
+                                                                                                global_seqs)
+    if use_global and needed_count is None:
+        raise ValueError(f"agg_loss: mode '{mode}' with global normalisation needs {needed_name}; pass both counts "
+                         "from global_counts (all-reduced) or neither for the per-batch formula")
+    if mode == "token-mean":
+        if not use_global:
+            return masked_mean(loss_mat, mask)
+        return _divide_or_zero(_masked_sum(loss_mat, mask), _as_count(global_tokens, "global_tokens"))
+    row_sums = _masked_sum(loss_mat, mask, dim=-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        row_tokens = mask.to(row_sums.dtype).sum(-1)  # [B]
+        if not use_global:
+            return (row_sums / row_tokens).mean()
+        nonempty = row_tokens != 0
+        safe_tokens = torch.where(nonempty, row_tokens, torch.ones_like(row_tokens))
+        row_means = torch.where(nonempty, row_sums / safe_tokens, torch.zeros_like(row_sums))  # [B]
+        return _divide_or_zero(row_means.sum(), _as_count(global_seqs, "global_seqs"))
+    if mode == "seq-mean-token-sum-norm":
+        row_sums = row_sums / (norm_len or mask.shape[-1])
+        if not use_global:
+            return row_sums.sum()
+    elif not use_global:  # seq-mean-token-sum
+        return row_sums.mean()
+    return _divide_or_zero(row_sums.sum(), _as_count(global_seqs, "global_seqs"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PPO losses
+
+
+def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+                clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
+                **agg_kwargs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dual-clip PPO loss (verl `compute_policy_loss`, "vanilla"), all [B, R]:
+        log_ratio = clamp(logp − old_logp, ±20);  ratio = e^log_ratio
+        L1 = −A·ratio;  L2 = −A·clamp(ratio, 1 − clip_low, 1 + clip_high);  Lc = max(L1, L2)
+        L3 = −A·clip_c;  L = min(L3, Lc) where A < 0 else Lc;  loss = agg_loss(L, m, agg_mode, **agg_kwargs)
+    metrics (detached, masked means over this micro-batch): pg_clipfrac = mean(L2 > L1),
+    ppo_kl = mean(−log_ratio), pg_clipfrac_lower = mean((Lc > L3) & (A < 0)).
+    clip_low/clip_high must already be resolved (verl falls back to clip_ratio when they are null)."""
+    if clip_low is None or clip_high is None:
+        raise ValueError("policy_loss: clip_low/clip_high are None; resolve actor.clip_ratio_low/high to "
+                         "actor.clip_ratio before calling (verl's fallback)")
+    if not clip_c > 1.0:
+        raise ValueError(f"policy_loss: clip_c (actor.clip_ratio_c) must be > 1.0 for the dual clip, got {clip_c}")
+    log_ratio = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)  # [B, R]
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_max = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_c
+    negative = advantages < 0
+    losses = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)  # [B, R]
+    metrics = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), mask).detach(),
+    }
+    return agg_loss(losses, mask, agg_mode, **agg_kwargs), metrics
+
+
+def value_loss(values: Tensor, returns: Tensor, old_values: Tensor, mask: Tensor, cliprange_value: float = 0.5,
+               agg_mode: str = "token-mean", **agg_kwargs) -> tuple[Tensor, Tensor]:
+    """Clipped value loss (verl `compute_value_loss`), all [B, R]:
+        v_clip = clamp(v, old_v − c, old_v + c);  loss = 0.5·agg_loss(max((v − ret)², (v_clip − ret)²), m)
+    Returns (loss, clipfrac) with clipfrac = masked_mean((v_clip − ret)² > (v − ret)²), detached."""
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped_err = (values - returns) ** 2
+    clipped_err = (clipped_values - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), mask, agg_mode, **agg_kwargs)
+    clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask).detach()
+    return loss, clipfrac
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# In-reward KL (algorithm.use_kl_in_reward) and its coefficient controllers
+
+
+class FixedKLController:
+    """algorithm.kl_ctrl.type = fixed: the coefficient stays kl_coef; update does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """algorithm.kl_ctrl.type = adaptive (Ziegler et al.):
+    value *= 1 + clip(kl/target − 1, ±0.2)·n_steps/horizon."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+        if not horizon > 0:
+            raise ValueError(f"AdaptiveKLController: algorithm.kl_ctrl.horizon must be > 0, got {horizon}")
+        if not target_kl > 0:
+            raise ValueError(f"AdaptiveKLController: algorithm.kl_ctrl.target_kl must be > 0, got {target_kl}")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+@torch.no_grad()
+def apply_kl_penalty(token_scores: Tensor, logprob: Tensor, ref_logprob: Tensor, mask: Tensor,
+                     controller: FixedKLController | AdaptiveKLController,
+                     kind: str = "kl") -> tuple[Tensor, dict[str, float]]:
+    """verl `apply_kl_penalty` (ray_trainer.py); logprob is the recomputed old policy's log-prob.
+        kld = kl_penalty(logprob, ref_logprob, kind)·m;  token_rewards = token_scores − β·kld     [B, R]
+        current_kl = mean_i masked_mean(kld_i, m_i);  controller.update(current_kl, n_steps=B)
+    metrics: actor/reward_kl_penalty = current_kl, actor/reward_kl_penalty_coeff = β, the coefficient USED for
+    this batch (read before the update, as verl)."""
+    kld = kl_penalty(logprob, ref_logprob, kind) * mask  # [B, R]
+    beta = controller.value
+    token_rewards = token_scores - beta * kld
+    current_kl = float(masked_mean(kld, mask, dim=-1).mean())
+    controller.update(current_kl, n_steps=token_scores.shape[0])
+    return token_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

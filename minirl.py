@@ -1,0 +1,761 @@
+"""minirl: RL post-training (GRPO, and the other critic-free estimators) of a Hugging Face LLM on one host.
+
+One process per device, torch.distributed between them, FSDP2 for the trainable models, verl's config keys:
+
+    torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
+    python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
+    python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
+
+One training step, in verl's order (see `train_step`):
+    1. prompts -> repeat each n times (interleaved), one uid per prompt
+    2. generate responses with the current weights (rollout.py)
+    3. balance sequence lengths across ranks
+    4. score them (rewards.py), the score on each response's last token
+    5. old log-probs (the policy that sampled) and reference log-probs (for the KL loss)
+    6. advantages (losses.py), over the whole batch
+    7. PPO update of the actor: mini-batches, micro-batches, loss normalised over the global mini-batch
+
+Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
+(all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
+world size (verl v0.5.0 normalises per micro-batch; see losses.agg_loss).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from config import ConfigError, batch_plan, format_plan, load_config, total_training_steps
+
+# ----------------------------------------------------------------------------------------------------------------
+# Devices, processes, seeds
+
+
+def pick_device(requested="auto"):
+    """(device type, process-group backend): npu/hccl when torch_npu is usable, cuda/nccl, else cpu/gloo."""
+    import torch
+
+    def npu_available():
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            return False
+        return torch.npu.is_available()
+
+    available = {"npu": npu_available, "cuda": torch.cuda.is_available, "cpu": lambda: True}
+    backend = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+    if requested == "auto":
+        device = next(name for name in ("npu", "cuda", "cpu") if available[name]())
+    elif not available[requested]():
+        raise ConfigError(f"trainer.device={requested} but no {requested} device is usable here; "
+                          f"set trainer.device=auto")
+    else:
+        device = requested
+    return device, backend[device]
+
+
+def init_distributed(device_type, backend):
+    """Join torchrun's process group (or make a one-process group). Returns (rank, world_size, device)."""
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(device_type, local_rank)
+        getattr(torch, device_type).set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def seed_everything(seed):
+    import torch
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sampling_seed(seed, step, rank, purpose="train"):
+    """A fixed seed per (run seed, step, rank): sampling is reproducible and differs across ranks and steps."""
+    digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hdfs:// paths: copied once into a local cache
+
+
+def local_path(path, cache_dir, filesystem=None):
+    """A local path for `path`. hdfs:// paths (files or folders) are copied into `cache_dir` with pyarrow's
+    HadoopFileSystem (or `filesystem`, for tests); the copy lands under a temporary name and is renamed into
+    place, so a half-copied folder is never used."""
+    if not str(path).startswith("hdfs://") and filesystem is None:
+        return str(path)
+    import pyarrow.fs as pafs
+    if filesystem is None:
+        try:
+            filesystem, remote = pafs.FileSystem.from_uri(path)
+        except OSError as err:
+            raise RuntimeError(f"cannot open '{path}': pyarrow's HadoopFileSystem needs libhdfs (set HADOOP_HOME "
+                               f"and ARROW_LIBHDFS_DIR, and CLASSPATH from `hadoop classpath --glob`), or copy "
+                               f"the files to a local path and point the config there. ({str(err).splitlines()[0]})") from err
+    else:
+        remote = str(path).replace("hdfs://", "", 1)
+    target = Path(cache_dir) / hashlib.sha256(str(path).encode()).hexdigest()[:16] / Path(remote).name
+    if target.exists():
+        return str(target)
+    if filesystem.get_file_info(remote).type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"'{path}' does not exist on its filesystem")
+    staging = target.with_name(target.name + f".tmp-{os.getpid()}")
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(remote, str(staging), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+    try:
+        os.rename(staging, target)
+    except OSError:            # another rank finished first
+        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+    return str(target)
+
+
+def resolve_paths(cfg):
+    """Replace every hdfs:// model and data path of the config by its local copy."""
+    cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    files = lambda value: [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
+    data.train_files = files(data.train_files)
+    if data.val_files:
+        data.val_files = files(data.val_files)
+    arr.model.path = local_path(arr.model.path, cache)
+    for section in (cfg.critic.model, cfg.reward_model.model):
+        if section.path:
+            section.path = local_path(section.path, cache)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The batch: a dict of tensors [B, ...] plus python lists [B] (uid, data_source, reward_model, ...)
+
+
+def batch_size_of(batch):
+    return len(batch["uid"]) if "uid" in batch else len(next(iter(batch.values())))
+
+
+def take(batch, index):
+    """Rows `index` (a list of ints) of every field."""
+    import torch
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value[torch.as_tensor(index, dtype=torch.long)]
+        else:
+            out[key] = [value[i] for i in index]
+    return out
+
+
+def repeat_interleave(batch, n):
+    """Each prompt n times in a row: p0,p0,..,p1,p1,.. (verl's repeat(interleave=True))."""
+    return take(batch, [i for i in range(batch_size_of(batch)) for _ in range(n)])
+
+
+def all_gather_rows(tensor, world_size):
+    """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
+    import torch
+    import torch.distributed as dist
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def all_reduce_sum(values, device):
+    """Sum a list of floats over ranks (one collective)."""
+    import torch
+    import torch.distributed as dist
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The actor (and the frozen reference): FSDP2 model, optimizer, LR schedule, log-probs, the PPO update
+
+
+def lr_lambda(optim_cfg, total_steps):
+    """verl's schedule: linear warmup, then constant or cosine (down to min_lr_ratio)."""
+    warmup = (optim_cfg.lr_warmup_steps if optim_cfg.lr_warmup_steps >= 0
+              else int(optim_cfg.lr_warmup_steps_ratio * total_steps))
+    min_ratio, cycles = optim_cfg.min_lr_ratio, optim_cfg.num_cycles
+
+    def constant(step):
+        return min(1.0, step / warmup) if warmup > 0 else 1.0
+
+    def cosine(step):
+        if step < warmup:
+            return min_ratio + (1 - min_ratio) * step / max(1, warmup)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return max(min_ratio, (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * cycles * 2 * progress)) + min_ratio)
+
+    return constant if optim_cfg.warmup_style == "constant" else cosine
+
+
+class Policy:
+    """An FSDP2-sharded causal LM: the actor (trainable) or the reference (frozen)."""
+
+    def __init__(self, cfg, device, trainable, total_steps=1):
+        import torch
+        from models import load_model, shard_fsdp2
+        arr = cfg.actor_rollout_ref
+        self.cfg, self.device = cfg, device
+        self.use_remove_padding = arr.model.use_remove_padding
+        model = load_model(arr.model.path, override_config=arr.model.override_config,
+                           trust_remote_code=arr.model.trust_remote_code,
+                           gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing)
+        model.to(device)
+        self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
+        self.kernels = None
+        if arr.actor.use_torch_compile:
+            from losses import entropy_from_logits, logprobs_from_logits
+            self.kernels = (torch.compile(logprobs_from_logits), torch.compile(entropy_from_logits))
+        if not trainable:
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            return
+        optim = arr.actor.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
+
+    def forward(self, micro, temperature, calc_entropy=False):
+        from models import token_logprobs
+        return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
+                              calc_entropy=calc_entropy, kernels=self.kernels)
+
+    def micro_batches(self, batch, micro_size, dynamic, max_tokens):
+        from models import dynamic_micro_batches, fixed_micro_batches
+        if dynamic:
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            return dynamic_micro_batches(lengths, max_tokens, device=self.device)
+        return fixed_micro_batches(batch_size_of(batch), micro_size)
+
+    def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
+        """No-grad log-probs [b, R] (and entropy [b, R]) in micro-batches; rows keep their order."""
+        import torch
+        b, response_len = batch["responses"].shape
+        logp = torch.zeros(b, response_len)
+        entropy = torch.zeros(b, response_len) if calc_entropy else None
+        with torch.no_grad():
+            for index in self.micro_batches(batch, micro_size, dynamic, max_tokens):
+                micro = self._to_device(take(batch, index))
+                lp, ent = self.forward(micro, temperature, calc_entropy)
+                logp[index] = lp.cpu()
+                if calc_entropy:
+                    entropy[index] = ent.cpu()
+        return logp, entropy
+
+    def _to_device(self, batch):
+        import torch
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def update(self, batch, dp_size):
+        """verl's update_policy: ppo_epochs x mini-batches (one optimizer step each) x micro-batches.
+
+        Each micro-batch's loss is its share of the mini-batch loss normalised over ALL ranks' tokens/sequences
+        (losses.agg_loss with global counts), multiplied by dp_size because FSDP averages gradients over ranks;
+        so the gradient is that of the full mini-batch loss whatever the micro-batching.
+        """
+        import torch
+        from losses import agg_loss, global_counts, kl_penalty, policy_loss
+        actor = self.cfg.actor_rollout_ref.actor
+        temperature = self.cfg.actor_rollout_ref.rollout.temperature
+        mini_size = actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dp_size
+        b, response_len = batch["responses"].shape
+        metrics = {}
+
+        def record(name, value):
+            metrics.setdefault(name, []).append(float(value))
+
+        for _ in range(actor.ppo_epochs):
+            for start in range(0, b, mini_size):
+                mini = take(batch, list(range(start, min(start + mini_size, b))))
+                tokens, seqs = global_counts(mini["response_mask"])
+                tokens, seqs = all_reduce_sum([tokens, seqs], self.device)
+                agg = dict(agg_mode=actor.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, norm_len=response_len)
+                self.optimizer.zero_grad(set_to_none=True)
+                sums = {"pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0}
+                for index in self.micro_batches(mini, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
+                                                actor.ppo_max_token_len_per_gpu):
+                    micro = self._to_device(take(mini, index))
+                    mask = micro["response_mask"].float()
+                    logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0)
+                    pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], logp, micro["advantages"], mask,
+                                                      clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high,
+                                                      clip_c=actor.clip_ratio_c, **agg)
+                    loss = pg_loss
+                    sums["pg_loss"] += pg_loss.item()
+                    if actor.entropy_coeff != 0:
+                        entropy_share = agg_loss(entropy, mask, mode=actor.loss_agg_mode, **_counts(agg))
+                        loss = loss - actor.entropy_coeff * entropy_share
+                        sums["entropy"] += entropy_share.item()
+                    if actor.use_kl_loss:
+                        kl = kl_penalty(logp, micro["ref_log_prob"], actor.kl_loss_type)
+                        kl_share = agg_loss(kl, mask, mode=actor.loss_agg_mode, **_counts(agg))
+                        loss = loss + actor.kl_loss_coef * kl_share
+                        sums["kl_loss"] += kl_share.item()
+                    (loss * dp_size).backward()
+                    for name, value in pg_metrics.items():
+                        record(f"actor/{name}", value)
+                pg, kl, ent = all_reduce_sum([sums["pg_loss"], sums["kl_loss"], sums["entropy"]], self.device)
+                record("actor/pg_loss", pg)
+                if actor.use_kl_loss:
+                    record("actor/kl_loss", kl)
+                    record("actor/kl_coef", actor.kl_loss_coef)
+                if actor.entropy_coeff != 0:
+                    record("actor/entropy_loss", ent)
+                grad_norm = self.clip_and_step(actor.grad_clip)
+                record("actor/grad_norm", grad_norm)
+        record("actor/lr", self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return {name: float(np.mean(values)) for name, values in metrics.items()}
+
+    def clip_and_step(self, max_norm):
+        """Clip the gradient norm; a non-finite norm skips the optimizer step (counted in actor/skipped_steps)."""
+        import torch
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        return norm
+
+
+def _counts(agg):
+    return {k: v for k, v in agg.items() if k != "agg_mode"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logging: console, TensorBoard, wandb, and always <af_output_dir>/metrics.jsonl (rank 0 only)
+
+
+class Tracker:
+    CONSOLE_KEYS = ("critic/score/mean", "val-core", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
+                    "actor/entropy", "actor/grad_norm", "timing_s/step")
+
+    def __init__(self, cfg, enabled):
+        self.enabled = enabled
+        self.loggers = cfg.trainer.logger
+        if not enabled:
+            return
+        out = Path(cfg.af_output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out / "metrics.jsonl", "a")
+        self.tb = self.wandb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+        if "wandb" in self.loggers:
+            import wandb
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
+                                    dir=str(out), config=cfg.to_dict())
+
+    def log(self, metrics, step):
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if "console" in self.loggers:
+            shown = {k: v for k, v in metrics.items() if k.startswith(self.CONSOLE_KEYS)}
+            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
+
+    def close(self):
+        if self.enabled:
+            self.jsonl.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def stats(prefix, values):
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}
+
+
+def data_metrics(batch, response_length):
+    """verl's compute_data_metrics over the whole batch (critic/score, critic/advantages, response_length, ...)."""
+    mask = batch["response_mask"].bool()
+    resp_len = batch["response_mask"].sum(-1).float()
+    prompt_len = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).float()
+    m = {}
+    m.update(stats("critic/score", batch["token_level_scores"].sum(-1).tolist()))
+    m.update(stats("critic/rewards", batch["token_level_rewards"].sum(-1).tolist()))
+    m.update(stats("critic/advantages", batch["advantages"][mask].tolist()))
+    m.update(stats("critic/returns", batch["returns"][mask].tolist()))
+    m.update(stats("response_length", resp_len.tolist()))
+    m["response_length/clip_ratio"] = float((resp_len == response_length).float().mean())
+    m.update(stats("prompt_length", prompt_len.tolist()))
+    m["prompt_length/clip_ratio"] = float((prompt_len == batch["prompts"].shape[1]).float().mean())
+    return m
+
+
+@contextmanager
+def timer(name, timings):
+    start = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+class Trainer:
+    """Holds what lives across steps: models, rollout engine, data, reward function, logger."""
+
+    def __init__(self, cfg):
+        import torch
+        from transformers import AutoTokenizer
+        from data import PromptLoader, RLHFDataset
+        from rewards import load_reward_fn
+        from rollout import build_rollout
+        self.cfg = cfg
+        device_type, backend = pick_device(cfg.trainer.device)
+        self.rank, self.world_size, self.device = init_distributed(device_type, backend)
+        self.plan = batch_plan(cfg, self.world_size)
+        self.dp = self.plan["dp"]
+        seed_everything(cfg.trainer.seed)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size)) if device_type == "cpu" else None
+        resolve_paths(cfg)
+        arr, data = cfg.actor_rollout_ref, cfg.data
+        self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
+                                                       trust_remote_code=arr.model.trust_remote_code)
+        dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+                              filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
+                              image_key=data.image_key, return_raw_chat=data.return_raw_chat,
+                              chat_template=arr.model.custom_chat_template)
+        self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
+        self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
+        self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        if len(self.loader) == 0:
+            raise ConfigError(f"data.train_batch_size={data.train_batch_size} is larger than the training set "
+                              f"({len(self.train_set)} prompts after filtering)")
+        self.total_steps = total_training_steps(cfg, len(self.loader))
+        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
+        needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
+        self.rollout = build_rollout(cfg, self.tokenizer, self.device)
+        self.tracker = Tracker(cfg, enabled=self.rank == 0)
+        self.global_step = 0
+
+    # -- generation, shared by training and validation ------------------------------------------------------
+    def generate(self, batch, sampling, seed_purpose):
+        """Generate for `batch` (the same full batch on every rank): each rank does its contiguous share, the
+        responses are all-gathered, and every rank returns the full rollout batch."""
+        import torch
+        from rollout import responses_to_batch
+        total = batch_size_of(batch)
+        share = total // self.world_size
+        mine = list(range(self.rank * share, (self.rank + 1) * share))
+        self.rollout.wake_up()
+        from models import full_state_dict_items
+        self.rollout.sync_weights(full_state_dict_items(self.actor.model))
+        seed = sampling_seed(self.cfg.trainer.seed, self.global_step, self.rank, seed_purpose)
+        tokens = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
+        self.rollout.sleep()
+        local = responses_to_batch(take(batch, mine), tokens, sampling.max_tokens, self.tokenizer.pad_token_id,
+                                   self.rollout.eos_ids)
+        responses = all_gather_rows(local["responses"], self.world_size)                 # [B, R]
+        response_mask = all_gather_rows(local["response_mask"], self.world_size)         # [B, R]
+        lengths = response_mask.sum(-1).tolist()
+        full = responses_to_batch(batch, [responses[i, :n].tolist() for i, n in enumerate(lengths)],
+                                  sampling.max_tokens, self.tokenizer.pad_token_id, self.rollout.eos_ids)
+        return {**batch, **full}
+
+    def score(self, batch):
+        """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
+        import torch
+        from rewards import score_responses
+        texts = self.tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
+            skip_special_tokens=True)
+        ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
+        scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
+                                    batch["extra_info"])
+        return torch.tensor(scores, dtype=torch.float32)
+
+    # -- one training step ----------------------------------------------------------------------------------
+    def train_step(self, prompts):
+        import torch
+        from losses import compute_advantages
+        from models import balanced_partitions
+        from rewards import token_level_scores
+        from rollout import Sampling
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        timings, metrics = {}, {}
+
+        with timer("step", timings):
+            # 1. repeat each prompt n times, interleaved; one uid per prompt
+            prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
+            batch = repeat_interleave(prompts, arr.rollout.n)                            # B = prompts x n
+
+            # 2. generate with the current weights
+            with timer("gen", timings):
+                batch = self.generate(batch, Sampling.from_config(arr.rollout), "train")
+
+            # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            if cfg.trainer.balance_batch:
+                parts = balanced_partitions(lengths, self.world_size, equal_size=True)
+                metrics.update(seqlen_metrics(lengths, parts))
+            else:
+                share = len(lengths) // self.world_size
+                parts = [list(range(r * share, (r + 1) * share)) for r in range(self.world_size)]
+            order = [i for part in parts for i in part]
+            batch = take(batch, order)                                                  # full batch, rank-major
+            share = len(order) // self.world_size
+            mine = list(range(self.rank * share, (self.rank + 1) * share))
+            local = take(batch, mine)
+
+            # 4. rewards: the score sits on the last response token
+            with timer("reward", timings):
+                scores = all_gather_rows(self.score(local), self.world_size)             # [B]
+                batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
+                batch["token_level_rewards"] = batch["token_level_scores"]
+
+            # 5. log-probs of the sampling policy, and of the reference
+            with timer("old_log_prob", timings):
+                local["old_log_probs"], entropy = self.actor.compute_log_prob(
+                    local, self.plan["old_log_prob_micro_batch"], arr.rollout.log_prob_use_dynamic_bsz,
+                    arr.rollout.log_prob_max_token_len_per_gpu, arr.rollout.temperature, calc_entropy=True)
+                mask = local["response_mask"].float()
+                ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
+                metrics["actor/entropy"] = ent_sum / max(tok, 1.0)
+            if self.ref is not None:
+                with timer("ref", timings):
+                    local["ref_log_prob"], _ = self.ref.compute_log_prob(
+                        local, self.plan["ref_log_prob_micro_batch"], arr.ref.log_prob_use_dynamic_bsz,
+                        arr.ref.log_prob_max_token_len_per_gpu, arr.rollout.temperature)
+
+            # 6. advantages over the whole batch (groups may span ranks); this rank keeps its rows
+            with timer("adv", timings):
+                alg = cfg.algorithm
+                batch["advantages"], batch["returns"] = compute_advantages(
+                    alg.adv_estimator, token_rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                    group_ids=batch["uid"], gamma=alg.gamma, lam=alg.lam,
+                    norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+                local["advantages"] = batch["advantages"][mine]
+
+            # 7. PPO update of the actor
+            with timer("update_actor", timings):
+                metrics.update(self.actor.update(local, self.dp))
+
+        metrics.update(data_metrics(batch, arr.rollout.response_length))
+        metrics.update(timing_metrics(timings, batch, self.world_size))
+        return metrics
+
+    # -- validation -----------------------------------------------------------------------------------------
+    def validate(self):
+        """Generate for the whole validation set with val_kwargs (greedy by default) and score it:
+        val-core/<data_source>/reward/mean@N."""
+        import torch
+        from data import collate
+        from rollout import Sampling
+        arr = self.cfg.actor_rollout_ref
+        n = arr.rollout.val_kwargs.n
+        rows = [self.val_set[i] for i in range(len(self.val_set))]
+        batch = repeat_interleave(collate(rows), n)
+        total = batch_size_of(batch)
+        pad = (-total) % self.world_size                  # pad to a multiple of the world size, as verl does
+        batch = take(batch, list(range(total)) + [total - 1] * pad)
+        batch = self.generate(batch, Sampling.from_config(arr.rollout, validate=True), "val")
+        share = batch_size_of(batch) // self.world_size
+        local = take(batch, list(range(self.rank * share, (self.rank + 1) * share)))
+        scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
+        sources = batch[self.cfg.data.reward_fn_key][:total]
+        metrics = {}
+        for source in sorted(set(sources)):
+            values = [s for s, d in zip(scores, sources) if d == source]
+            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(values))
+        lengths = batch["response_mask"][:total].sum(-1).float()
+        metrics["val-aux/response_length/mean"] = float(lengths.mean())
+        return metrics
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def fit(self):
+        from tqdm import tqdm
+        cfg = self.cfg
+        if self.val_set is not None and cfg.trainer.val_before_train:
+            self.tracker.log(self.validate(), step=0)
+            if cfg.trainer.val_only:
+                return
+        bar = tqdm(total=self.total_steps, disable=self.rank != 0, desc="steps", file=sys.stderr)
+        epoch = 0
+        while self.global_step < self.total_steps:
+            for prompts in self.loader:
+                self.global_step += 1
+                metrics = self.train_step(prompts)
+                is_last = self.global_step >= self.total_steps
+                test_freq = cfg.trainer.test_freq
+                if self.val_set is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
+                    start = time.perf_counter()
+                    metrics.update(self.validate())
+                    metrics["timing_s/testing"] = time.perf_counter() - start
+                metrics["training/global_step"] = self.global_step
+                metrics["training/epoch"] = epoch
+                metrics["actor/skipped_steps"] = getattr(self.actor, "skipped_steps", 0)
+                self.tracker.log(metrics, step=self.global_step)
+                bar.update(1)
+                if is_last:
+                    break
+            epoch += 1
+        bar.close()
+
+    def close(self):
+        import torch.distributed as dist
+        self.tracker.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def seqlen_metrics(lengths, parts):
+    per_rank = [sum(lengths[i] for i in part) for part in parts]
+    chunk = len(lengths) // len(parts)
+    before = [sum(lengths[r * chunk:(r + 1) * chunk]) for r in range(len(parts))]
+    return {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
+            "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(per_rank),
+            "global_seqlen/balanced_max": max(per_rank), "global_seqlen/mean": float(np.mean(before))}
+
+
+def timing_metrics(timings, batch, world_size):
+    total_tokens = int(batch["attention_mask"].sum())
+    response_tokens = int(batch["response_mask"].sum())
+    m = {f"timing_s/{k}": v for k, v in timings.items()}
+    for name, seconds in timings.items():
+        if name in ("gen",):
+            m[f"timing_per_token_ms/{name}"] = 1000 * seconds / max(response_tokens, 1)
+        elif name != "step":
+            m[f"timing_per_token_ms/{name}"] = 1000 * seconds / max(total_tokens, 1)
+    m["perf/total_num_tokens"] = total_tokens
+    m["perf/time_per_step"] = timings["step"]
+    m["perf/throughput"] = total_tokens / (timings["step"] * world_size)
+    return m
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plotting: the reward curve of a run
+
+
+def plot(run_dir, out=None):
+    """PNG of training score and validation reward against the step, from <run_dir>/metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--plot: no metrics.jsonl in '{run_dir}' (pass the run's af_output_dir)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
+    if train:
+        ax.plot(*zip(*train), label="train score (mean)", alpha=0.6)
+    val_keys = sorted({k for r in rows for k in r if k.startswith("val-core/")})
+    for key in val_keys:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*points), marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = out or str(Path(run_dir) / "reward_curve.png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Overrides: key.path=value, with or without 'backend_config.'")
+    parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
+    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
+    parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
+    parser.add_argument("overrides", nargs="*")
+    return parser.parse_args(argv)
+
+
+def print_config(cfg, world_size):
+    import yaml
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    plan = batch_plan(cfg, world_size)
+    steps = None
+    try:
+        import pyarrow.parquet as pq
+        files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
+    except (OSError, ImportError):
+        pass
+    print(format_plan(plan, steps))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.plot:
+        plot(args.plot)
+        return 0
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = load_config(args.config, args.overrides, world_size=world_size)
+        if args.print_config:
+            print_config(cfg, world_size)
+            return 0
+        trainer = Trainer(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

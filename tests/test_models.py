@@ -1,0 +1,97 @@
+"""The forward pass: packed (remove padding) vs padded log-probs, the response slice, micro-batch partitions, and
+the rollout batch assembly."""
+import torch
+from transformers import AutoModelForCausalLM
+
+from models import balanced_partitions, dynamic_micro_batches, fixed_micro_batches, token_logprobs
+from rollout import response_mask_from_eos, responses_to_batch
+
+
+def left_padded_batch(prompt_lens, response_lens, P=6, R=5, vocab=300, seed=0):
+    """input_ids [b, P+R] with left-padded prompts and right-padded responses, masks and position ids."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(prompt_lens)
+    ids = torch.randint(10, vocab, (b, P + R), generator=g)
+    mask = torch.zeros(b, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask                       # padding id 0
+    pos = torch.clamp(torch.cumsum(mask, -1) - 1, min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, P:]}
+
+
+def reference_logprobs(model, batch, temperature):
+    """One sequence at a time, no padding at all: the log-prob of each response token given its prefix."""
+    P = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    out = torch.zeros(batch["responses"].shape)
+    for i in range(batch["input_ids"].shape[0]):
+        valid = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][valid].unsqueeze(0)
+        logits = model(input_ids=ids).logits[0].float() / temperature
+        logp = torch.log_softmax(logits, -1)
+        prompt_len = int(batch["attention_mask"][i, :P].sum())
+        for t in range(int(batch["attention_mask"][i, P:].sum())):
+            out[i, t] = logp[prompt_len - 1 + t, ids[0, prompt_len + t]]
+    return out
+
+
+def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
+    response_mask = batch["attention_mask"][:, 6:].bool()
+    with torch.no_grad():
+        expected = reference_logprobs(model, batch, temperature=0.7)
+        packed, packed_ent = token_logprobs(model, batch, temperature=0.7, use_remove_padding=True, calc_entropy=True)
+        padded, padded_ent = token_logprobs(model, batch, temperature=0.7, use_remove_padding=False, calc_entropy=True)
+    assert torch.allclose(packed[response_mask], expected[response_mask], atol=1e-5)
+    assert torch.allclose(padded[response_mask], expected[response_mask], atol=1e-5)
+    assert torch.allclose(packed_ent[response_mask], padded_ent[response_mask], atol=1e-5)
+
+
+def test_packed_gradients_match_padded(tiny_model_dir):
+    batch = left_padded_batch([5, 2, 6], [3, 5, 2], seed=1)
+    mask = batch["attention_mask"][:, 6:].float()
+    grads = []
+    for rmpad in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        logp, _ = token_logprobs(model, batch, use_remove_padding=rmpad)
+        (logp * mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_fixed_micro_batches():
+    assert fixed_micro_batches(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_balanced_partitions_equal_size():
+    # lengths 9,8,7,1,1,1 into 2 groups of 3: longest-first greedy gives {9,1,1}=11? no: 9->g0, 8->g1, 7->g1(8<9)
+    # then g0 (9) takes 1 -> 10, g1 (15) full? sizes: g0=[9], g1=[8,7]; next 1 -> g0 (9) -> 10; 1 -> g0 (10 < 15)
+    # -> g0 has 3 = full; last 1 -> g1 -> 16.  Groups: {0,3,4} (11) and {1,2,5} (16).
+    parts = balanced_partitions([9, 8, 7, 1, 1, 1], 2, equal_size=True)
+    assert parts == [[0, 3, 4], [1, 2, 5]]
+
+
+def test_dynamic_micro_batches_respect_budget():
+    lengths = [7, 3, 5, 2, 8, 1]
+    parts = dynamic_micro_batches(lengths, max_tokens=10)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    assert all(sum(lengths[i] for i in p) <= 10 for p in parts)
+    assert len(parts) == 3          # 26 tokens need at least 3 budgets of 10
+
+
+def test_response_mask_stops_after_first_eos():
+    responses = torch.tensor([[5, 6, 2, 7, 2], [2, 5, 5, 5, 5], [5, 5, 5, 5, 5]])
+    assert response_mask_from_eos(responses, [2]).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_responses_to_batch_layout():
+    prompts = {"input_ids": torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16]]),
+               "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
+               "position_ids": torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3]])}
+    out = responses_to_batch(prompts, [[21, 2, 99], [22, 23, 24, 25, 26]], response_length=4, pad_id=0, eos_ids=[2])
+    assert out["responses"].tolist() == [[21, 2, 99, 0], [22, 23, 24, 25]]      # cut to R=4, right padded
+    assert out["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]       # up to and including EOS
+    assert out["position_ids"][:, 4:].tolist() == [[2, 3, 4, 5], [4, 5, 6, 7]]  # continue from the last prompt pos
+    assert out["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]

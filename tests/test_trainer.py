@@ -1,0 +1,181 @@
+"""The GRPO trainer end to end on the tiny model (real torchrun, gloo, FSDP2, HF rollout), and the oracle
+promise: one update on a fixed batch gives the same gradients and weights whatever the micro-batching, world
+size, remove-padding, dynamic batch size or gradient checkpointing."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc, *args, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29600 + os.getpid() % 300), *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.fixture(scope="module")
+def e2e_run(demo_dir, tmp_path_factory):
+    """Three GRPO steps on 2 ranks with validation, tensorboard and the KL loss (so a reference is built)."""
+    out = tmp_path_factory.mktemp("e2e")
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+                   f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
+                   f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
+                   "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
+                   "trainer.logger=[console,tensorboard]", "data.train_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"dir": out, "rows": rows, "stdout": run.stdout, "demo": demo_dir}
+
+
+VERL_NAMES = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
+              "response_length/mean", "response_length/clip_ratio", "prompt_length/mean", "actor/pg_loss",
+              "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac", "actor/ppo_kl",
+              "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+              "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/total_num_tokens",
+              "training/global_step", "global_seqlen/mean"]
+
+
+def test_metrics_jsonl_has_verl_names_per_step(e2e_run):
+    rows = e2e_run["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]            # validation before training, then 3 steps
+    assert "val-core/minirl/add/reward/mean@1" in rows[0]
+    for row in rows[1:]:
+        missing = [name for name in VERL_NAMES if name not in row]
+        assert not missing, missing
+    assert "val-core/minirl/add/reward/mean@1" in rows[3]       # test_freq=3: validated at the last step
+    assert all(0.0 <= r["critic/score/mean"] <= 1.0 for r in rows[1:])
+
+
+def test_tensorboard_events_read_back(e2e_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(e2e_run["dir"] / "tensorboard"))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert "actor/pg_loss" in scalars and "critic/score/mean" in scalars
+    logged = [event.value for event in acc.Scalars("critic/score/mean")]
+    expected = [r["critic/score/mean"] for r in e2e_run["rows"][1:]]
+    assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_rank0_alone_logs(e2e_run):
+    assert e2e_run["stdout"].count("step 1:") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The oracle promise: one update on a fixed batch
+
+
+@pytest.fixture(scope="module")
+def fixed_batch(tiny_model_dir, tmp_path_factory):
+    """8 responses (4 prompts x n=2) with left-padded prompts (P=6), right-padded responses (R=5), old log-probs
+    near the model's (so some ratios clip), random advantages and reference log-probs."""
+    g = torch.Generator().manual_seed(0)
+    P, R = 6, 5
+    prompt_lens, response_lens = [6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4]
+    b = len(prompt_lens)
+    ids = torch.randint(10, 300, (b, P + R), generator=g)
+    mask = torch.zeros(b, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
+             "responses": ids[:, P:], "prompts": ids[:, :P], "response_mask": mask[:, P:]}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    from models import token_logprobs
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=0.9, use_remove_padding=False)
+    batch["old_log_probs"] = logp + 0.3 * torch.randn(b, R, generator=g)
+    batch["ref_log_prob"] = logp + 0.5 * torch.randn(b, R, generator=g)
+    batch["advantages"] = torch.randn(b, R, generator=g) * batch["response_mask"]
+    batch["uid"] = [str(i // 2) for i in range(b)]
+    path = tmp_path_factory.mktemp("oracle") / "batch.pt"
+    torch.save(batch, path)
+    return path
+
+
+VARIANTS = {
+    "base": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8,actor_rollout_ref.model.use_remove_padding=true",
+    "micro1": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "micro4": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "padded": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4,actor_rollout_ref.model.use_remove_padding=false",
+    "dynamic": "actor_rollout_ref.actor.use_dynamic_bsz=true,actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
+    "checkpointing": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
+                     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+}
+
+
+@pytest.fixture(scope="module")
+def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("oracle_out")
+    variants = [f"{name}:{overrides}" for name, overrides in VARIANTS.items()]
+    torchrun(1, "tests/oracle_step.py", fixed_batch, out / "w1.pt", tiny_model_dir, *variants)
+    world2 = ["world2:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+              "world2_micro1:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+              "world2_dynamic:actor_rollout_ref.actor.use_dynamic_bsz=true,"
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"]
+    torchrun(2, "tests/oracle_step.py", fixed_batch, out / "w2.pt", tiny_model_dir, *world2)
+    return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"] + ["world2", "world2_micro1",
+                                                                              "world2_dynamic"])
+def test_one_update_is_independent_of_batching(oracle_results, variant, tiny_model_dir):
+    base, other = oracle_results["base"], oracle_results[variant]
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
+    for name, grad in base["grads"].items():
+        assert torch.allclose(other["grads"][name], grad, atol=1e-6, rtol=1e-4), f"{variant}: grad of {name}"
+        # AdamW's first step is lr * g / (|g| + eps): where |g| is at round-off level (unused embedding rows) its
+        # sign, and so the weight, is noise; everywhere else the weights must agree to fp32 precision.
+        signal = grad.abs() > 1e-6
+        assert torch.allclose(other["weights"][name][signal], base["weights"][name][signal], atol=1e-6), \
+            f"{variant}: weights of {name}"
+        assert (other["weights"][name] - base["weights"][name]).abs().max() <= 2 * 1e-3 + 1e-6
+    moved = sum(int(not torch.equal(base["weights"][n], initial[n].detach())) for n in base["weights"])
+    assert moved == len(base["weights"]), "every parameter should move after one AdamW step"
+    assert other["metrics"]["actor/pg_loss"] == pytest.approx(base["metrics"]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    assert other["metrics"]["actor/grad_norm"] == pytest.approx(base["metrics"]["actor/grad_norm"], rel=1e-4)
+
+
+def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir):
+    """The trainer's gradient equals autograd of the loss written out here over the whole batch at once:
+    token-mean PPO-clip loss - 0.01 * token-mean entropy + 0.1 * token-mean k3 KL (clip 0.2, dual clip 3)."""
+    batch = torch.load(fixed_batch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    mask = batch["response_mask"].float()
+    P = batch["prompts"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, P - 1:-1].float() / 0.9
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    A = batch["advantages"]
+    ratio = torch.exp(torch.clamp(logp - batch["old_log_probs"], -20, 20))
+    clipped = torch.maximum(-A * ratio, -A * torch.clamp(ratio, 0.8, 1.2))
+    pg = torch.where(A < 0, torch.minimum(clipped, -A * 3.0), clipped)
+    x = torch.clamp(batch["ref_log_prob"] - logp, -20, 20)
+    k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
+    n = mask.sum()
+    loss = (pg * mask).sum() / n - 0.01 * (entropy * mask).sum() / n + 0.1 * (k3 * mask).sum() / n
+    loss.backward()
+    # the trainer clips the gradient norm to grad_clip=1.0 in place (torch: scale by 1/(norm + 1e-6) when > 1)
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    assert oracle_results["base"]["metrics"]["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    scale = min(1.0, 1.0 / (float(norm) + 1e-6))
+    for name, param in model.named_parameters():
+        assert torch.allclose(oracle_results["base"]["grads"][name], param.grad * scale, atol=1e-7, rtol=1e-4), name
