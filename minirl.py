@@ -218,15 +218,18 @@ def lr_lambda(optim_cfg, total_steps):
 class Policy:
     """An FSDP2-sharded causal LM: the actor (trainable) or the reference (frozen)."""
 
+    skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
+
     def __init__(self, cfg, device, trainable, total_steps=1):
         import torch
-        from models import load_model, shard_fsdp2
+        from models import attention_backend, load_model, shard_fsdp2
         arr = cfg.actor_rollout_ref
         self.cfg, self.device = cfg, device
         self.use_remove_padding = arr.model.use_remove_padding
         model = load_model(arr.model.path, override_config=arr.model.override_config,
                            trust_remote_code=arr.model.trust_remote_code,
-                           gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing)
+                           gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing,
+                           attn_implementation=attention_backend(device.type, self.use_remove_padding))
         model.to(device)
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
         self.kernels = None
@@ -329,24 +332,32 @@ class Policy:
                     record("actor/kl_coef", actor.kl_loss_coef)
                 if actor.entropy_coeff != 0:
                     record("actor/entropy_loss", ent)
-                grad_norm = self.clip_and_step(actor.grad_clip)
+                grad_norm = self.clip_and_step(actor.grad_clip, loss=pg + kl + ent)
                 record("actor/grad_norm", grad_norm)
         record("actor/lr", self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return {name: float(np.mean(values)) for name, values in metrics.items()}
 
-    def clip_and_step(self, max_norm):
-        """Clip the gradient norm; a non-finite norm skips the optimizer step (counted in actor/skipped_steps)."""
+    def clip_and_step(self, max_norm, loss=0.0):
+        """Clip the gradient norm and step. A non-finite gradient norm or `loss` (the same on every rank: both
+        are all-reduced) skips the optimizer step instead, counted in actor/skipped_steps."""
         import torch
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         norm = float(norm)
-        if math.isfinite(norm):
+        if math.isfinite(norm) and math.isfinite(loss):
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+            self.skipped_steps += 1
         return norm
+
+    def checkpoint_counters(self):
+        """What a checkpoint keeps besides the model, optimizer and LR scheduler (checkpoint.py)."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_checkpoint_counters(self, counters):
+        self.skipped_steps = counters["skipped_steps"]
 
 
 def _counts(agg):
@@ -476,7 +487,9 @@ class Trainer:
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
         self.tracker = Tracker(cfg, enabled=self.rank == 0)
-        self.global_step = 0
+        # what checkpoints hold (a critic joins the roles); resuming restores it all, RNG states last
+        self.roles = {"actor": self.actor}
+        self.global_step = checkpoint.resume(cfg, self.roles, self.loader)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):

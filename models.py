@@ -26,8 +26,21 @@ from losses import entropy_from_logits, logprobs_from_logits
 # Loading and sharding
 
 
+def attention_backend(device_type, use_remove_padding):
+    """flash_attention_2 (varlen kernels: packed sequences cost nothing extra) where installed on CUDA, else sdpa.
+    On sdpa, transformers turns restarting position ids into a block-diagonal mask over the packed row, which is
+    quadratic in the packed length: on CPU, packing long micro-batches is slower than padding (bench/step.py)."""
+    if device_type == "cuda" and use_remove_padding:
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,
-               gradient_checkpointing=False):
+               gradient_checkpointing=False, attn_implementation="sdpa"):
     """A Hugging Face model from a local folder: kind 'causal' (actor/ref), 'token_cls' (critic, 1 label),
     'seq_cls' (reward model, 1 label). A causal-LM checkpoint loaded as token_cls gets a fresh value head."""
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
@@ -40,7 +53,7 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
     if kind != "causal":
         config.num_labels = 1
     model = loader.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-                                   attn_implementation="sdpa")
+                                   attn_implementation=attn_implementation)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -76,6 +76,23 @@ def test_rank0_alone_logs(e2e_run):
     assert e2e_run["stdout"].count("step 1:") == 1
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_actor_trains_and_reference_stays_frozen(demo_dir, tmp_path, nproc):
+    """The real Trainer on N ranks: every actor parameter moves, the reference (a copy of the initial actor)
+    does not."""
+    report_path = tmp_path / "report.json"
+    torchrun(nproc, "tests/trainer_probe.py", report_path, f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+             f"af_output_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+             "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    report = json.loads(report_path.read_text())
+    assert report["world_size"] == nproc and report["steps"] == 2
+    assert report["ref_equals_initial_actor"]
+    assert report["ref_changed"] == []
+    assert report["actor_changed"] == report["actor_names"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The oracle promise: one update on a fixed batch
 
@@ -117,6 +134,7 @@ VARIANTS = {
     "dynamic": "actor_rollout_ref.actor.use_dynamic_bsz=true,actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
     "checkpointing": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
                      "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    "compiled": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8,actor_rollout_ref.actor.use_torch_compile=true",
 }
 
 
