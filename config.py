@@ -621,7 +621,7 @@ def batch_plan(cfg, world_size):
             raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
         log_prob_micro[prefix] = size
     mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
-    return {
+    plan = {
         "world_size": world_size, "dp": dp, "responses_per_step": responses,
         "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
         "responses_per_mini_batch_per_rank": mini_per_rank,
@@ -631,6 +631,35 @@ def batch_plan(cfg, world_size):
         "old_log_prob_micro_batch": log_prob_micro["actor_rollout_ref.rollout"],
         "ref_log_prob_micro_batch": log_prob_micro["actor_rollout_ref.ref"],
     }
+    if cfg.algorithm.adv_estimator == "gae":
+        plan.update(_critic_plan(cfg, dp))
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp,
+                                                          "reward_model.micro_batch_size")
+        if plan["reward_model_micro_batch"] is None and not rm.use_dynamic_bsz:
+            raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
+    return plan
+
+
+def _critic_plan(cfg, dp):
+    """The critic's own mini/micro batches: ppo_mini_batch_size prompts x critic.rollout_n responses."""
+    critic = cfg.critic
+    mini = critic.ppo_mini_batch_size * critic.rollout_n
+    if mini % dp:
+        raise ConfigError(f"critic.ppo_mini_batch_size * rollout.n = {mini} responses must be divisible by the "
+                          f"{dp} data-parallel ranks")
+    if cfg.data.train_batch_size % critic.ppo_mini_batch_size:
+        raise ConfigError(f"'data.train_batch_size'={cfg.data.train_batch_size} must be a multiple of "
+                          f"'critic.ppo_mini_batch_size'={critic.ppo_mini_batch_size}")
+    micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp,
+                           "critic.ppo_micro_batch_size")
+    if not critic.use_dynamic_bsz and (micro is None or micro <= 0 or (mini // dp) % micro):
+        raise ConfigError(f"the critic's mini-batch per rank is {mini // dp} responses; set "
+                          f"'critic.ppo_micro_batch_size_per_gpu' to a divisor of it (or critic.use_dynamic_bsz)")
+    forward = critic.forward_micro_batch_size_per_gpu or micro
+    return {"critic_responses_per_mini_batch_per_rank": mini // dp, "critic_micro_batch": micro,
+            "critic_forward_micro_batch": forward}
 
 
 def total_training_steps(cfg, batches_per_epoch):

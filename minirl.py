@@ -5,6 +5,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
     torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
+    python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
 
 One training step, in verl's order (see `train_step`):
     1. prompts -> repeat each n times (interleaved), one uid per prompt
@@ -450,6 +451,13 @@ def timer(name, timings):
 # The trainer
 
 
+NONFINITE_STEPS_TO_STOP = 3      # training steps in a row with a skipped (NaN/inf) update that stop the run
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite updates in a row; the message names the likely causes and the last good checkpoint."""
+
+
 class Trainer:
     """Holds what lives across steps: models, rollout engine, data, reward function, logger."""
 
@@ -487,32 +495,35 @@ class Trainer:
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
         self.tracker = Tracker(cfg, enabled=self.rank == 0)
-        # what checkpoints hold (a critic joins the roles); resuming restores it all, RNG states last
+        # what checkpoints hold (a critic joins the roles); resuming restores it all, RNG states included
+        import checkpoint
         self.roles = {"actor": self.actor}
         self.global_step = checkpoint.resume(cfg, self.roles, self.loader)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):
-        """Generate for `batch` (the same full batch on every rank): each rank does its contiguous share, the
-        responses are all-gathered, and every rank returns the full rollout batch."""
-        import torch
-        from rollout import responses_to_batch
-        total = batch_size_of(batch)
-        share = total // self.world_size
-        mine = list(range(self.rank * share, (self.rank + 1) * share))
-        self.rollout.wake_up()
+        """Generate for `batch` (the same full batch on every rank) and return the full rollout batch on every
+        rank. The engine's TP groups (tp_size consecutive ranks; 1 rank for hf) split the batch: group g takes the
+        g-th contiguous share, all its ranks with the same prompts and seed, and one copy per group is gathered.
+        With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens)."""
         from models import full_state_dict_items
-        self.rollout.sync_weights(full_state_dict_items(self.actor.model))
-        seed = sampling_seed(self.cfg.trainer.seed, self.global_step, self.rank, seed_purpose)
-        tokens = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
-        self.rollout.sleep()
-        local = responses_to_batch(take(batch, mine), tokens, sampling.max_tokens, self.tokenizer.pad_token_id,
-                                   self.rollout.eos_ids)
-        responses = all_gather_rows(local["responses"], self.world_size)                 # [B, R]
-        response_mask = all_gather_rows(local["response_mask"], self.world_size)         # [B, R]
+        from rollout import gather_tp_groups, pad_logprobs, responses_to_batch
+        tp = self.rollout.tp_size
+        dp_rank, dp_size = self.rank // tp, self.world_size // tp
+        share = batch_size_of(batch) // dp_size
+        mine = list(range(dp_rank * share, (dp_rank + 1) * share))
+        self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
+        seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
+        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
+        self.rollout.sleep()                                                   # and the memory goes back here
+        pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
+        local = responses_to_batch(take(batch, mine), tokens, length, pad, eos)
+        responses = gather_tp_groups(local["responses"], self.world_size, tp)            # [B, R]
+        response_mask = gather_tp_groups(local["response_mask"], self.world_size, tp)    # [B, R]
         lengths = response_mask.sum(-1).tolist()
-        full = responses_to_batch(batch, [responses[i, :n].tolist() for i, n in enumerate(lengths)],
-                                  sampling.max_tokens, self.tokenizer.pad_token_id, self.rollout.eos_ids)
+        full = responses_to_batch(batch, [responses[i, :n].tolist() for i, n in enumerate(lengths)], length, pad, eos)
+        if logprobs is not None:
+            full["rollout_log_probs"] = gather_tp_groups(pad_logprobs(logprobs, length), self.world_size, tp)  # [B, R]
         return {**batch, **full}
 
     def score(self, batch):
@@ -533,7 +544,7 @@ class Trainer:
         from losses import compute_advantages
         from models import balanced_partitions
         from rewards import token_level_scores
-        from rollout import Sampling
+        from rollout import Sampling, rollout_probs_diff
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timings, metrics = {}, {}
 
@@ -574,6 +585,10 @@ class Trainer:
                 mask = local["response_mask"].float()
                 ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
                 metrics["actor/entropy"] = ent_sum / max(tok, 1.0)
+                if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
+                    old_log_probs = all_gather_rows(local["old_log_probs"], self.world_size)        # [B, R]
+                    metrics.update(rollout_probs_diff(batch["rollout_log_probs"], old_log_probs,
+                                                      batch["response_mask"]))
             if self.ref is not None:
                 with timer("ref", timings):
                     local["ref_log_prob"], _ = self.ref.compute_log_prob(
@@ -626,39 +641,75 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self):
+        """Train from self.global_step (0, or where the checkpoint left off) to total_steps. The loader carries
+        the data position, so a resume at an epoch boundary goes on with the next epoch."""
+        import checkpoint
         from tqdm import tqdm
         cfg = self.cfg
         if self.val_set is not None and cfg.trainer.val_before_train:
-            self.tracker.log(self.validate(), step=0)
+            self.tracker.log(self.validate(), step=self.global_step)
             if cfg.trainer.val_only:
                 return
-        bar = tqdm(total=self.total_steps, disable=self.rank != 0, desc="steps", file=sys.stderr)
-        epoch = 0
+        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=self.rank != 0, desc="steps",
+                   file=sys.stderr)
+        skipped_in_a_row = 0
         while self.global_step < self.total_steps:
             for prompts in self.loader:
                 self.global_step += 1
+                skipped_before = self.actor.skipped_steps
                 metrics = self.train_step(prompts)
+                skipped = self.actor.skipped_steps > skipped_before
+                skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
                 is_last = self.global_step >= self.total_steps
                 test_freq = cfg.trainer.test_freq
                 if self.val_set is not None and test_freq > 0 and (is_last or self.global_step % test_freq == 0):
                     start = time.perf_counter()
                     metrics.update(self.validate())
                     metrics["timing_s/testing"] = time.perf_counter() - start
+                if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
+                    start = time.perf_counter()
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer)
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = epoch
-                metrics["actor/skipped_steps"] = getattr(self.actor, "skipped_steps", 0)
+                metrics["training/epoch"] = self.loader.epoch
+                metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 self.tracker.log(metrics, step=self.global_step)
                 bar.update(1)
+                if skipped:
+                    self.stop_if_diverged(skipped_in_a_row, metrics)
                 if is_last:
                     break
-            epoch += 1
         bar.close()
 
+    def stop_if_diverged(self, skipped_in_a_row, metrics):
+        """Warn about a skipped (non-finite) update; NONFINITE_STEPS_TO_STOP of them in a row end the run.
+        Skipped steps are never checkpointed, so the last checkpoint holds the last good state."""
+        import checkpoint
+        if self.rank == 0:
+            print(f"warning: step {self.global_step}: non-finite loss or gradient norm (actor/pg_loss="
+                  f"{metrics.get('actor/pg_loss')}, actor/grad_norm={metrics.get('actor/grad_norm')}); the update "
+                  f"was skipped ({skipped_in_a_row} in a row)", file=sys.stderr, flush=True)
+        if skipped_in_a_row < NONFINITE_STEPS_TO_STOP:
+            return
+        last_good = checkpoint.latest(self.cfg.trainer.default_local_dir)
+        actor = self.cfg.actor_rollout_ref.actor
+        raise TrainingDiverged(
+            f"steps {self.global_step - skipped_in_a_row + 1}-{self.global_step}: the loss or gradient norm was "
+            f"NaN/inf {skipped_in_a_row} steps in a row, so training stopped. Likely causes: the learning rate "
+            f"(actor.optim.lr={actor.optim.lr}: lower it or add warmup), the KL term (kl_loss_coef="
+            f"{actor.kl_loss_coef}, kl_loss_type={actor.kl_loss_type}), or the data (NaN/inf rewards, broken "
+            f"prompts). Last good checkpoint: {last_good or 'none saved'}"
+            + (" (trainer.resume_mode=auto resumes from it)" if last_good else ""))
+
     def close(self):
+        """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
+        process group, so it comes after the last collective."""
         import torch.distributed as dist
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
+        self.rollout.shutdown()
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -729,6 +780,9 @@ def parse_args(argv=None):
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
     parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
+    parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
+                        help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
+                             "Hugging Face format (config, tokenizer, safetensors); no torchrun needed")
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args(argv)
 
@@ -753,18 +807,37 @@ def main(argv=None):
     if args.plot:
         plot(args.plot)
         return 0
+    if args.export:
+        import checkpoint
+        try:
+            checkpoint.export_hf(*args.export)
+        except checkpoint.CheckpointError as err:
+            print(f"checkpoint error: {err}", file=sys.stderr)
+            return 2
+        return 0
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_config(args.config, args.overrides, world_size=world_size)
         if args.print_config:
             print_config(cfg, world_size)
             return 0
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    import checkpoint
+    try:
         trainer = Trainer(cfg)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 2
     try:
         trainer.fit()
+    except TrainingDiverged as err:
+        print(f"training stopped: {err}", file=sys.stderr)
+        return 3
     finally:
         trainer.close()
     return 0

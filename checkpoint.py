@@ -1,0 +1,495 @@
+"""Checkpoints: save, resume, validate, prune, and export to Hugging Face format.
+
+The trainer calls two functions (a "role" is a trained model: the actor, later the critic; any object with
+.model (FSDP2), .optimizer, .scheduler, .checkpoint_counters() and .load_checkpoint_counters(dict)):
+
+    step = checkpoint.resume(cfg, {"actor": actor}, loader)      # in Trainer.__init__: 0 when starting fresh
+    checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer)   # every save_freq steps and the last
+
+and the command line exports a checkpoint without torchrun:
+
+    python minirl.py --export outputs/demo/checkpoints/global_step_100 exported/      # or .../global_step_100/actor
+
+Layout (verl's, verl-semantics.md section 4; W = world size, R = rank):
+
+    <trainer.default_local_dir>/
+      latest_checkpointed_iteration.txt      N, written after everything else
+      global_step_N/
+        actor/model_world_size_W_rank_R.pt   this rank's FSDP2 shards, {name: local tensor}
+              optim_world_size_W_rank_R.pt   this rank's optimizer state (local shards)
+              extra_state_world_size_W_rank_R.pt   LR scheduler, this rank's RNG states, skipped-step counters
+              fsdp_config.json               {"FSDP_version": 2, "world_size": W}
+              huggingface/                   config, generation config, tokenizer; safetensors weights too when
+                                             actor.checkpoint.save_contents has "hf_model"
+        data.pt                              the prompt loader's position (epoch, batches done)
+        trainer_state.json                   global step (+ state of any extra stateful object, e.g. a KL controller)
+        manifest.json                        every file above with its size: the "complete" marker
+
+A save writes into `global_step_N.incomplete/`, then rank 0 (after a barrier) writes the manifest, renames the
+folder into place and only then updates latest_checkpointed_iteration.txt, so a run killed mid-save leaves
+nothing that looks complete. resume_mode=auto takes the newest global_step_N whose manifest matches the files on
+disk. Shards are tied to the world size: resuming with another number of ranks is refused (export to HF and start
+a new run from the export instead).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+FORMAT = "minirl-checkpoint-1"
+CONTENTS = ("model", "optimizer", "extra", "hf_model")
+# role -> (its save_contents in the config, its trainer.max_*_ckpt_to_keep key)
+ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint.save_contents", "max_actor_ckpt_to_keep"),
+             "critic": ("critic.checkpoint.save_contents", "max_critic_ckpt_to_keep")}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+def _shard_file(kind, world_size, rank):
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+def _rank_and_world():
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _log(message):
+    if _rank_and_world()[0] == 0:
+        print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+def _config_value(cfg, dotted):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def save_contents(cfg, role):
+    """The role's checkpoint.save_contents, checked against what minirl can save."""
+    dotted = ROLE_KEYS[role][0]
+    contents = list(_config_value(cfg, dotted))
+    unknown = [c for c in contents if c not in CONTENTS]
+    if unknown:
+        raise CheckpointError(f"'{dotted}' has {unknown}; allowed: {list(CONTENTS)}")
+    if "model" not in contents:
+        raise CheckpointError(f"'{dotted}'={contents} lacks 'model': such a checkpoint could not be resumed")
+    return contents
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What one rank holds: local shards of DTensors, RNG states
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def param_layout(model):
+    """{name: {"shape": global shape, "shard_dim": dim FSDP shards along, or None}} of the model's state dict."""
+    layout = {}
+    for name, tensor in model.state_dict().items():
+        shard_dims = [p.dim for p in getattr(tensor, "placements", ()) if hasattr(p, "dim")]
+        layout[name] = {"shape": list(tensor.shape), "shard_dim": shard_dims[0] if shard_dims else None}
+    return layout
+
+
+def _model_shard(model):
+    return {name: _local(tensor).detach().cpu() for name, tensor in model.state_dict().items()}
+
+
+def _load_model_shard(model, shard, path):
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            local = _local(tensor)
+            if name not in shard or shard[name].shape != local.shape:
+                raise CheckpointError(f"{path}: the shard of '{name}' does not fit this rank's "
+                                      f"{tuple(local.shape)} (different model or sharding)")
+            local.copy_(shard[name])
+
+
+def _optimizer_shard(optimizer):
+    """optimizer.state_dict() with each DTensor replaced by its local shard (and the places they were)."""
+    state = optimizer.state_dict()        # its per-parameter dicts are the live ones: build new dicts, not edit
+    dtensors = [[param_id, key] for param_id, entries in state["state"].items()
+                for key, value in entries.items() if hasattr(value, "to_local")]
+    state["state"] = {param_id: {key: _local(value).detach().cpu() for key, value in entries.items()}
+                      for param_id, entries in state["state"].items()}
+    return {"state_dict": state, "dtensor_entries": dtensors}
+
+
+def _load_optimizer_shard(optimizer, saved):
+    from torch.distributed.tensor import DTensor
+    state = saved["state_dict"]
+    saved_ids = [i for group in state["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    param_of = dict(zip(saved_ids, params))
+    for param_id, key in saved["dtensor_entries"]:
+        param = param_of[param_id]
+        local = state["state"][param_id][key].to(param.device)
+        state["state"][param_id][key] = DTensor.from_local(local, param.device_mesh, param.placements,
+                                                           run_check=False, shape=param.shape, stride=param.stride())
+    optimizer.load_state_dict(state)
+
+
+def rng_state():
+    """This process's RNG states: python, numpy, torch CPU and (when present) the accelerator's."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    for device in ("cuda", "npu"):
+        module = getattr(torch, device, None)
+        if module is not None and module.is_available():
+            state[device] = module.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    for device in ("cuda", "npu"):
+        if device in state:
+            getattr(torch, device).set_rng_state_all(state[device])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Save
+
+
+def due(save_freq, step, is_last):
+    """verl: save every save_freq steps and at the last step (save_freq <= 0: never)."""
+    return save_freq > 0 and (is_last or step % save_freq == 0)
+
+
+def save(cfg, step, roles, loader, tokenizer, stateful=None):
+    """Write global_step_<step> (all ranks call this). `stateful`: extra {name: object with state_dict()},
+    JSON-serialisable, kept in trainer_state.json (e.g. {"kl_ctrl": controller})."""
+    rank, world_size = _rank_and_world()
+    root = Path(cfg.trainer.default_local_dir)
+    final = root / f"global_step_{step}"
+    staging = root / f"global_step_{step}.incomplete"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    manifest_roles = {}
+    for name, role in roles.items():
+        contents = save_contents(cfg, name)
+        manifest_roles[name] = {"contents": contents, "params": param_layout(role.model)}
+        _save_role(staging / name, role, contents, tokenizer, rank, world_size)
+    if rank == 0:
+        torch.save(loader.state_dict(), staging / "data.pt")
+        trainer_state = {"global_step": step,
+                         "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
+        (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    _barrier()
+    if rank == 0:
+        _write_manifest(staging, step, world_size, manifest_roles)
+        _replace(staging, final)
+        _write_atomically(root / TRACKER, str(step))
+        prune(root, _keep(cfg, roles))
+    _barrier()
+    _log(f"saved {final}")
+    return final
+
+
+def _save_role(folder, role, contents, tokenizer, rank, world_size):
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(_model_shard(role.model), folder / _shard_file("model", world_size, rank))
+    if "optimizer" in contents:
+        torch.save(_optimizer_shard(role.optimizer), folder / _shard_file("optim", world_size, rank))
+    if "extra" in contents:
+        extra = {"lr_scheduler": role.scheduler.state_dict(), "rng": rng_state(),
+                 "counters": role.checkpoint_counters()}
+        torch.save(extra, folder / _shard_file("extra_state", world_size, rank))
+    weights = None
+    if "hf_model" in contents:
+        from models import full_state_dict_items           # a collective: every rank gathers every tensor
+        weights = {name: tensor.cpu() for name, tensor in full_state_dict_items(role.model)}
+    if rank == 0:
+        (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}))
+        hf_dir = folder / "huggingface"
+        role.model.config.save_pretrained(hf_dir)
+        if getattr(role.model, "generation_config", None) is not None:
+            role.model.generation_config.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+        if weights is not None:
+            write_hf_weights(weights, hf_dir)
+
+
+def _write_manifest(folder, step, world_size, roles):
+    files = {str(path.relative_to(folder)): path.stat().st_size
+             for path in sorted(folder.rglob("*")) if path.is_file()}
+    manifest = {"format": FORMAT, "global_step": step, "world_size": world_size, "roles": roles, "files": files}
+    path = folder / MANIFEST
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(staging, final):
+    """Move the finished folder into place (a same-step folder from an earlier run is replaced)."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, final)
+
+
+def _write_atomically(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _keep(cfg, roles):
+    """How many checkpoints to keep: the smallest max_<role>_ckpt_to_keep set (None/<=0: all)."""
+    limits = [cfg.trainer[ROLE_KEYS[name][1]] for name in roles]
+    limits = [limit for limit in limits if limit is not None and limit > 0]
+    return min(limits) if limits else None
+
+
+def step_dirs(root):
+    """[(N, path)] of the global_step_N folders under root, newest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def prune(root, keep):
+    """Delete all but the newest `keep` complete checkpoints (keep None: delete none), and any leftover
+    *.incomplete folder of an interrupted save."""
+    root = Path(root)
+    for leftover in root.glob("global_step_*.incomplete"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep is None:
+        return
+    complete = [path for _, path in step_dirs(root) if not problems(path)]
+    for path in complete[keep:]:
+        shutil.rmtree(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validate and resume
+
+
+def problems(step_dir):
+    """Why `step_dir` is not a complete checkpoint (a message naming the file), or None if it is."""
+    step_dir = Path(step_dir)
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.is_file():
+        return (f"{manifest_path} is missing: the save was interrupted before it finished (the manifest is "
+                f"written last) or the folder was not written by minirl")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as err:
+        return f"{manifest_path} is unreadable ({err})"
+    for name, size in files.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} is truncated or altered: {actual} bytes, the manifest says {size}"
+    return None
+
+
+def read_manifest(step_dir):
+    """The manifest of a complete checkpoint, else CheckpointError."""
+    problem = problems(step_dir)
+    if problem:
+        raise CheckpointError(f"checkpoint '{step_dir}' is incomplete: {problem}")
+    return json.loads((Path(step_dir) / MANIFEST).read_text())
+
+
+def validate(step_dir, world_size, roles):
+    """Check that `step_dir` is a complete global_step_N checkpoint that this run can load: same world size,
+    and for each role the same parameter names and shapes. `roles`: {name: param_layout(model)}.
+    Returns the manifest."""
+    step_dir = Path(step_dir)
+    if not STEP_DIR.match(step_dir.name) or not step_dir.is_dir():
+        raise CheckpointError(f"'{step_dir}' is not a checkpoint folder: trainer.resume_from_path must name a "
+                              f".../global_step_N folder written by minirl")
+    manifest = read_manifest(step_dir)
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint '{step_dir}' was written by {manifest['world_size']} ranks and this run has {world_size}: "
+            f"its shards only load with the same world size. Resume with --nproc_per_node "
+            f"{manifest['world_size']}, or export it (python minirl.py --export {step_dir} OUT) and start a new run "
+            f"with actor_rollout_ref.model.path=OUT")
+    for name, layout in roles.items():
+        if name not in manifest["roles"]:
+            raise CheckpointError(f"checkpoint '{step_dir}' has no '{name}' model (it has "
+                                  f"{sorted(manifest['roles'])})")
+        saved = {key: value["shape"] for key, value in manifest["roles"][name]["params"].items()}
+        here = {key: value["shape"] for key, value in layout.items()}
+        if saved != here:
+            raise CheckpointError(f"checkpoint '{step_dir}' holds a different {name} model than "
+                                  f"this run's: {_first_difference(saved, here)}. Resume with the model it was "
+                                  f"trained from, or set trainer.resume_mode=disable (or another "
+                                  f"trainer.default_local_dir) to start fresh")
+    return manifest
+
+
+def _first_difference(saved, here):
+    for key in sorted(set(saved) | set(here)):
+        if saved.get(key) != here.get(key):
+            return (f"parameter '{key}' has shape {saved.get(key, 'absent')} in the checkpoint and "
+                    f"{here.get(key, 'absent')} here")
+    return "no difference"
+
+
+def latest(root):
+    """The newest complete global_step_N under root, or None. Incomplete ones are skipped with a warning."""
+    for _, path in step_dirs(root):
+        problem = problems(path)
+        if problem is None:
+            return path
+        _log(f"skipping incomplete checkpoint {path}: {problem}")
+    return None
+
+
+def _torch_load(path):
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:       # a damaged file: say which one
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged, "
+                              f"resume from an earlier global_step_N") from err
+
+
+def resume(cfg, roles, loader, stateful=None):
+    """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch).
+    Also checks the save settings, so a bad save_contents fails before training starts."""
+    for name in roles:
+        save_contents(cfg, name)
+    trainer = cfg.trainer
+    if trainer.resume_mode == "disable":
+        return 0
+    if trainer.resume_mode == "auto":
+        step_dir = latest(trainer.default_local_dir)
+        if step_dir is None:
+            _log(f"no complete checkpoint in {trainer.default_local_dir}; starting from scratch")
+            return 0
+    else:
+        step_dir = Path(trainer.resume_from_path).resolve()
+    rank, world_size = _rank_and_world()
+    manifest = validate(step_dir, world_size, {name: param_layout(role.model) for name, role in roles.items()})
+    for name, role in roles.items():
+        _load_role(step_dir / name, role, manifest["roles"][name]["contents"], rank, world_size)
+    try:
+        loader.load_state_dict(_torch_load(step_dir / "data.pt"))
+    except ValueError as err:         # the data settings changed since the checkpoint
+        raise CheckpointError(f"{step_dir / 'data.pt'}: {err}") from err
+    trainer_state = json.loads((step_dir / "trainer_state.json").read_text())
+    for key, obj in (stateful or {}).items():
+        if key not in trainer_state["stateful"]:
+            raise CheckpointError(f"{step_dir / 'trainer_state.json'} has no state for '{key}' (the checkpointed "
+                                  f"run did not have it); start fresh with trainer.resume_mode=disable")
+        obj.load_state_dict(trainer_state["stateful"][key])
+    _log(f"resumed from {step_dir} (global step {trainer_state['global_step']}, data epoch {loader.epoch}, "
+         f"{loader.batches_done_in_epoch} batches of it done)")
+    return trainer_state["global_step"]
+
+
+def _load_role(folder, role, contents, rank, world_size):
+    _load_model_shard(role.model, _torch_load(folder / _shard_file("model", world_size, rank)),
+                      folder / _shard_file("model", world_size, rank))
+    if "optimizer" in contents:
+        _load_optimizer_shard(role.optimizer, _torch_load(folder / _shard_file("optim", world_size, rank)))
+    else:
+        _log(f"{folder} has no optimizer state (save_contents lacked 'optimizer'): the optimizer starts fresh")
+    if "extra" in contents:
+        extra = _torch_load(folder / _shard_file("extra_state", world_size, rank))
+        role.scheduler.load_state_dict(extra["lr_scheduler"])
+        role.load_checkpoint_counters(extra["counters"])
+        set_rng_state(extra["rng"])
+    else:
+        _log(f"{folder} has no extra state (save_contents lacked 'extra'): LR schedule and RNG start fresh")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face format
+
+
+def write_hf_weights(state, folder):
+    """Save full weights {name: tensor} as a Hugging Face model in `folder` (which already has config.json):
+    safetensors, tied weights handled by transformers, loadable by from_pretrained and vLLM as is."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = getattr(transformers, (config.architectures or ["?"])[0], None)   # e.g. Qwen2ForCausalLM
+    with torch.device("meta"):                          # no memory, no random init: the weights are assigned
+        model = (architecture._from_config(config) if architecture is not None
+                 else transformers.AutoModelForCausalLM.from_config(config))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.save_pretrained(folder)
+
+
+def consolidate(step_dir, role="actor"):
+    """Full weights {name: tensor} of `role`, assembled from every rank's shard file (no processes needed)."""
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    world_size = manifest["world_size"]
+    shards = [_torch_load(step_dir / role / _shard_file("model", world_size, r)) for r in range(world_size)]
+    full = {}
+    for name, layout in manifest["roles"][role]["params"].items():
+        dim = layout["shard_dim"]
+        tensor = shards[0][name] if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
+        if list(tensor.shape) != layout["shape"]:
+            raise CheckpointError(f"{step_dir / role}: the shards of '{name}' assemble to {list(tensor.shape)}, "
+                                  f"the manifest says {layout['shape']}")
+        full[name] = tensor
+    return full
+
+
+def export_hf(ckpt, out):
+    """`python minirl.py --export CKPT OUT`: CKPT is a global_step_N folder or its actor/ folder; OUT gets
+    config, tokenizer and safetensors weights."""
+    ckpt = Path(ckpt)
+    role = "actor"
+    if not STEP_DIR.match(ckpt.name) and STEP_DIR.match(ckpt.parent.name):
+        ckpt, role = ckpt.parent, ckpt.name
+    if not STEP_DIR.match(ckpt.name):
+        raise CheckpointError(f"'{ckpt}' is not a checkpoint: pass a .../global_step_N folder or its actor/ folder")
+    weights = consolidate(ckpt, role)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_dir = ckpt / role / "huggingface"
+    for item in hf_dir.iterdir():            # config, generation config, tokenizer (weights are rewritten below)
+        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, out / item.name)
+    write_hf_weights(weights, out)
+    print(f"exported {ckpt / role} to {out}")
+    return out

@@ -1,0 +1,323 @@
+"""Checkpoints end to end on 2 CPU ranks (real torchrun, gloo, FSDP2): verl's layout, pruning, determinism of a
+seeded run, a real SIGKILL of the whole job followed by resume_mode=auto (across an epoch boundary), resume_path,
+Hugging Face export, the non-finite guard, and clear errors for every kind of bad checkpoint.
+
+Every run trains on 8 prompts, 4 per step (so 2 steps per epoch), n=2, 8 response tokens, 5 steps, and saves
+every 2 steps and at the last: global_step_2 (the end of epoch 0), global_step_4, global_step_5.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
+
+
+def run_overrides(demo_dir, data_file, out, *extra):
+    return [f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={data_file}", "data.val_files=null",
+            f"af_output_dir={out}", "trainer.total_training_steps=5", "trainer.val_before_train=false",
+            "trainer.test_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4", "data.max_response_length=8",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.save_freq=2",
+            "trainer.max_actor_ckpt_to_keep=2",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]", *extra]
+
+
+def torchrun_cmd(nproc, script, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(script), *map(str, args)]
+
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def run(cmd, expect_rc=0, timeout=300):
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == expect_rc, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def train(demo_dir, data_file, out, *extra, expect_rc=0):
+    return run(torchrun_cmd(2, "minirl.py", "--config", ROOT / "config.yaml",
+                            *run_overrides(demo_dir, data_file, out, *extra)), expect_rc)
+
+
+def metric_rows(path):
+    """metrics.jsonl rows without the wall-clock keys (the only ones allowed to differ between runs)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in row.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def data_file(demo_dir, tmp_path_factory):
+    """The first 8 prompts of the demo training set: 2 steps per epoch at 4 prompts a step."""
+    path = tmp_path_factory.mktemp("ckpt_data") / "train8.parquet"
+    pq.write_table(pq.read_table(demo_dir / "data" / "train.parquet").slice(0, 8), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_a(demo_dir, data_file, tmp_path_factory):
+    """The reference run: 5 uninterrupted steps."""
+    out = tmp_path_factory.mktemp("run_a")
+    train(demo_dir, data_file, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout, pruning, determinism
+
+
+def test_layout_is_verls_and_old_checkpoints_are_pruned(run_a):
+    root = run_a / "checkpoints"
+    # saved at 2, 4, 5; max_actor_ckpt_to_keep=2 keeps the newest two
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_4", "global_step_5",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+    step = root / "global_step_5"
+    for rank in (0, 1):
+        for kind in ("model", "optim", "extra_state"):
+            assert (step / "actor" / f"{kind}_world_size_2_rank_{rank}.pt").is_file()
+    assert json.loads((step / "actor" / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 2}
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (step / "actor" / "huggingface" / name).is_file(), name
+    # step 5 = epoch 2 (steps 1-2 are epoch 0, 3-4 epoch 1), one of its 2 batches done
+    data = torch.load(step / "data.pt")
+    assert (data["epoch"], data["batches_done_in_epoch"]) == (2, 1)
+    assert json.loads((step / "trainer_state.json").read_text())["global_step"] == 5
+    extra = torch.load(step / "actor" / "extra_state_world_size_2_rank_1.pt")
+    assert extra["lr_scheduler"]["last_epoch"] == 5                   # one scheduler step per training step
+    assert set(extra["rng"]) >= {"python", "numpy", "torch"}
+    assert extra["counters"] == {"skipped_steps": 0}
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["files"]["data.pt"] == (step / "data.pt").stat().st_size
+    assert not list(root.glob("*.incomplete"))
+
+
+def test_same_seeded_config_gives_identical_metrics(run_a, demo_dir, data_file, tmp_path):
+    train(demo_dir, data_file, tmp_path)
+    first, second = metric_rows(run_a / "metrics.jsonl"), metric_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
+    assert first == second                                           # equal numbers, not close ones
+
+
+def worker_pids(agent_pid):
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir, data_file, tmp_path):
+    """Kill the whole job (the torchrun agent and both workers, each in its own process group) with SIGKILL as
+    soon as the step-2 checkpoint is complete, i.e. while step 3 runs; rerun the same command."""
+    cmd = torchrun_cmd(2, "minirl.py", "--config", ROOT / "config.yaml",
+                       *run_overrides(demo_dir, data_file, tmp_path))
+    tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
+    with open(tmp_path / "killed.log", "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 180
+        while not (tracker.is_file() and tracker.read_text() == "2"):
+            assert agent.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.005)
+        for pid in worker_pids(agent.pid) + [agent.pid]:
+            os.killpg(pid, signal.SIGKILL)
+        agent.wait()
+    assert not (tmp_path / "checkpoints" / "global_step_4").exists(), "the kill came too late to test anything"
+    logged_before = len(metric_rows(tmp_path / "metrics.jsonl"))
+
+    train(demo_dir, data_file, tmp_path)                             # trainer.resume_mode=auto (the default)
+    resumed = metric_rows(tmp_path / "metrics.jsonl")[logged_before:]
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert resumed == metric_rows(run_a / "metrics.jsonl")[2:]
+    # global_step_2 closed epoch 0 (2 batches of 2): the resumed run trains epoch 1, then epoch 2
+    assert [r["training/epoch"] for r in resumed] == [1, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume_path and Hugging Face export
+
+
+@pytest.fixture(scope="module")
+def probe_batch(tmp_path_factory):
+    """4 rows: left-padded prompts (P=6), right-padded responses (R=5)."""
+    g = torch.Generator().manual_seed(0)
+    P, R = 6, 5
+    prompt_lens, response_lens = [6, 3, 1, 4], [5, 2, 4, 1]
+    ids = torch.randint(10, 300, (4, P + R), generator=g)
+    mask = torch.zeros(4, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
+             "responses": ids[:, P:], "response_mask": mask[:, P:]}
+    path = tmp_path_factory.mktemp("probe") / "batch.pt"
+    torch.save(batch, path)
+    return path
+
+
+def hand_logprobs(model, batch):
+    """log softmax of the logits at positions P-1 .. P+R-2, gathered at the response tokens. [b, R]"""
+    R = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -R - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_resume_path_and_hf_export_give_the_trained_models_logprobs(run_a, demo_dir, data_file, probe_batch,
+                                                                    tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    step5 = run_a / "checkpoints" / "global_step_5"
+    out = tmp_path / "probe.pt"
+    run(torchrun_cmd(2, ROOT / "tests" / "checkpoint_launcher.py", "logprobs", probe_batch, out,
+                     *run_overrides(demo_dir, data_file, tmp_path, "trainer.resume_mode=resume_path",
+                                    f"trainer.resume_from_path={step5}")))
+    fsdp = torch.load(out)
+    assert fsdp["global_step"] == 5
+    assert (fsdp["loader"]["epoch"], fsdp["loader"]["batches_done_in_epoch"]) == (2, 1)
+    assert fsdp["lr"] == pytest.approx(1e-3)
+
+    run([sys.executable, "minirl.py", "--export", step5 / "actor", tmp_path / "export"])
+    batch = torch.load(probe_batch)
+    mask = batch["response_mask"].bool()
+    for folder in (tmp_path / "export", step5 / "actor" / "huggingface"):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        AutoTokenizer.from_pretrained(folder)
+        logp = hand_logprobs(model, batch)
+        assert torch.allclose(logp[mask], fsdp["logp"][mask], atol=1e-5), folder
+    initial = AutoModelForCausalLM.from_pretrained(demo_dir / "model", dtype=torch.float32)
+    assert not torch.allclose(hand_logprobs(initial, batch)[mask], fsdp["logp"][mask], atol=1e-3), \
+        "5 steps at lr 1e-3 should have moved the log-probs"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The non-finite guard
+
+
+def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run(demo_dir, data_file, tmp_path):
+    result = run(torchrun_cmd(2, ROOT / "tests" / "checkpoint_launcher.py", "nan", 3,
+                              *run_overrides(demo_dir, data_file, tmp_path, "trainer.save_freq=1",
+                                             "trainer.total_training_steps=8", "trainer.max_actor_ckpt_to_keep=null")),
+                 expect_rc=1)                                        # torchrun: a worker failed
+    rows = metric_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]             # stopped after the 3rd NaN step in a row
+    # 2 optimizer steps per training step (4 prompts, mini-batches of 2); each NaN step skips both
+    assert [r["actor/skipped_steps"] for r in rows] == [0, 0, 2, 4, 6]
+    assert result.stderr.count("non-finite loss or gradient norm") == 3
+    message = result.stderr[result.stderr.index("training stopped"):]
+    for cause in ("learning rate", "KL", "data", "global_step_2"):
+        assert cause in message, message
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert checkpoint.problems(root / "global_step_2") is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad checkpoints
+
+
+@pytest.fixture
+def ckpt_copy(run_a, tmp_path):
+    """A private copy of run A's checkpoints to damage."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(run_a / "checkpoints", root)
+    return root
+
+
+def layout_of(step_dir):
+    """The actor's parameter layout as this run would compute it (names and shapes from the manifest)."""
+    return {"actor": json.loads((step_dir / "manifest.json").read_text())["roles"]["actor"]["params"]}
+
+
+def test_missing_file_is_named(ckpt_copy):
+    step = ckpt_copy / "global_step_4"
+    (step / "actor" / "optim_world_size_2_rank_1.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"optim_world_size_2_rank_1\.pt is missing"):
+        checkpoint.validate(step, 2, layout_of(step))
+
+
+def test_truncated_file_is_named(ckpt_copy):
+    step = ckpt_copy / "global_step_4"
+    shard = step / "actor" / "model_world_size_2_rank_0.pt"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    expected = rf"model_world_size_2_rank_0\.pt is truncated or altered: {size // 2} bytes, the manifest says {size}"
+    with pytest.raises(checkpoint.CheckpointError, match=expected):
+        checkpoint.validate(step, 2, layout_of(step))
+
+
+def test_resume_path_must_be_a_global_step_folder(ckpt_copy):
+    for wrong in (ckpt_copy, ckpt_copy / "global_step_4" / "actor", ckpt_copy / "global_step_9"):
+        with pytest.raises(checkpoint.CheckpointError, match="must name a .../global_step_N folder"):
+            checkpoint.validate(wrong, 2, {})
+
+
+def test_other_model_is_refused_naming_the_parameter(ckpt_copy):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    step = ckpt_copy / "global_step_4"
+    config = AutoConfig.from_pretrained(step / "actor" / "huggingface")
+    config.intermediate_size = 96                                    # the checkpoint's model has 128
+    with torch.device("meta"):
+        other = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"different actor model.*'model\.layers\.0\.mlp\.down_proj\.weight' has shape "
+                             r"\[64, 128\] in the checkpoint and \[64, 96\] here"):
+        checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(other)})
+
+
+def test_other_world_size_is_refused_by_the_trainer(run_a, demo_dir, data_file, tmp_path):
+    step = run_a / "checkpoints" / "global_step_4"
+    result = run(torchrun_cmd(1, "minirl.py", "--config", ROOT / "config.yaml",
+                              *run_overrides(demo_dir, data_file, tmp_path, "trainer.resume_mode=resume_path",
+                                             f"trainer.resume_from_path={step}")), expect_rc=1)
+    assert "checkpoint error" in result.stderr and "written by 2 ranks and this run has 1" in result.stderr
+
+
+def test_auto_never_picks_an_incomplete_checkpoint(ckpt_copy):
+    # global_step_5 damaged, global_step_6 without a manifest (killed mid-save in another tool), and the staging
+    # folder a killed minirl save leaves: auto takes global_step_4
+    (ckpt_copy / "global_step_5" / "data.pt").write_bytes(b"")
+    shutil.copytree(ckpt_copy / "global_step_4", ckpt_copy / "global_step_6")
+    (ckpt_copy / "global_step_6" / "manifest.json").unlink()
+    shutil.copytree(ckpt_copy / "global_step_4", ckpt_copy / "global_step_7.incomplete")
+    assert checkpoint.latest(ckpt_copy) == ckpt_copy / "global_step_4"
+    shutil.rmtree(ckpt_copy / "global_step_4")
+    assert checkpoint.latest(ckpt_copy) is None                      # auto would start from scratch
+
+
+def test_corrupt_shard_content_is_named(ckpt_copy):
+    shard = ckpt_copy / "global_step_4" / "actor" / "model_world_size_2_rank_1.pt"
+    shard.write_bytes(b"\0" * shard.stat().st_size)                 # right size, wrong bytes
+    with pytest.raises(checkpoint.CheckpointError, match=r"model_world_size_2_rank_1\.pt cannot be read"):
+        checkpoint.consolidate(ckpt_copy / "global_step_4")
+
+
+def test_rng_state_round_trips():
+    import random
+
+    import numpy as np
+    state = checkpoint.rng_state()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.random(), np.random.rand(), torch.rand(1)                 # move every generator on
+    checkpoint.set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_resume_mode_disable_ignores_existing_checkpoints(ckpt_copy):
+    from config import load_config
+    cfg = load_config(ROOT / "config.yaml", ["trainer.resume_mode=disable", f"trainer.default_local_dir={ckpt_copy}"],
+                      check_paths=False)
+    assert checkpoint.resume(cfg, roles={}, loader=None) == 0
