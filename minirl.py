@@ -36,8 +36,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 
+import losses
 from config import ConfigError, batch_plan, format_plan, load_config, total_training_steps
+from models import Critic, Policy, RewardModel, all_reduce_sum, take
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -156,18 +159,6 @@ def batch_size_of(batch):
     return len(batch["uid"]) if "uid" in batch else len(next(iter(batch.values())))
 
 
-def take(batch, index):
-    """Rows `index` (a list of ints) of every field."""
-    import torch
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = value[torch.as_tensor(index, dtype=torch.long)]
-        else:
-            out[key] = [value[i] for i in index]
-    return out
-
-
 def repeat_interleave(batch, n):
     """Each prompt n times in a row: p0,p0,..,p1,p1,.. (verl's repeat(interleave=True))."""
     return take(batch, [i for i in range(batch_size_of(batch)) for _ in range(n)])
@@ -184,189 +175,15 @@ def all_gather_rows(tensor, world_size):
     return torch.cat(parts)
 
 
-def all_reduce_sum(values, device):
-    """Sum a list of floats over ranks (one collective)."""
-    import torch
-    import torch.distributed as dist
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The actor (and the frozen reference): FSDP2 model, optimizer, LR schedule, log-probs, the PPO update
-
-
-def lr_lambda(optim_cfg, total_steps):
-    """verl's schedule: linear warmup, then constant or cosine (down to min_lr_ratio)."""
-    warmup = (optim_cfg.lr_warmup_steps if optim_cfg.lr_warmup_steps >= 0
-              else int(optim_cfg.lr_warmup_steps_ratio * total_steps))
-    min_ratio, cycles = optim_cfg.min_lr_ratio, optim_cfg.num_cycles
-
-    def constant(step):
-        return min(1.0, step / warmup) if warmup > 0 else 1.0
-
-    def cosine(step):
-        if step < warmup:
-            return min_ratio + (1 - min_ratio) * step / max(1, warmup)
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return max(min_ratio, (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * cycles * 2 * progress)) + min_ratio)
-
-    return constant if optim_cfg.warmup_style == "constant" else cosine
-
-
-class Policy:
-    """An FSDP2-sharded causal LM: the actor (trainable) or the reference (frozen)."""
-
-    skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
-
-    def __init__(self, cfg, device, trainable, total_steps=1):
-        import torch
-        from models import attention_backend, load_model, shard_fsdp2
-        arr = cfg.actor_rollout_ref
-        self.cfg, self.device = cfg, device
-        self.use_remove_padding = arr.model.use_remove_padding
-        model = load_model(arr.model.path, override_config=arr.model.override_config,
-                           trust_remote_code=arr.model.trust_remote_code,
-                           gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing,
-                           attn_implementation=attention_backend(device.type, self.use_remove_padding))
-        model.to(device)
-        self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
-        self.kernels = None
-        if arr.actor.use_torch_compile:
-            from losses import entropy_from_logits, logprobs_from_logits
-            self.kernels = (torch.compile(logprobs_from_logits), torch.compile(entropy_from_logits))
-        if not trainable:
-            self.model.eval()
-            for p in self.model.parameters():
-                p.requires_grad_(False)
-            return
-        optim = arr.actor.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                           weight_decay=optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
-
-    def forward(self, micro, temperature, calc_entropy=False):
-        from models import token_logprobs
-        return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels)
-
-    def micro_batches(self, batch, micro_size, dynamic, max_tokens):
-        from models import dynamic_micro_batches, fixed_micro_batches
-        if dynamic:
-            lengths = batch["attention_mask"].sum(-1).tolist()
-            return dynamic_micro_batches(lengths, max_tokens, device=self.device)
-        return fixed_micro_batches(batch_size_of(batch), micro_size)
-
-    def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
-        """No-grad log-probs [b, R] (and entropy [b, R]) in micro-batches; rows keep their order."""
-        import torch
-        b, response_len = batch["responses"].shape
-        logp = torch.zeros(b, response_len)
-        entropy = torch.zeros(b, response_len) if calc_entropy else None
-        with torch.no_grad():
-            for index in self.micro_batches(batch, micro_size, dynamic, max_tokens):
-                micro = self._to_device(take(batch, index))
-                lp, ent = self.forward(micro, temperature, calc_entropy)
-                logp[index] = lp.cpu()
-                if calc_entropy:
-                    entropy[index] = ent.cpu()
-        return logp, entropy
-
-    def _to_device(self, batch):
-        import torch
-        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-    def update(self, batch, dp_size):
-        """verl's update_policy: ppo_epochs x mini-batches (one optimizer step each) x micro-batches.
-
-        Each micro-batch's loss is its share of the mini-batch loss normalised over ALL ranks' tokens/sequences
-        (losses.agg_loss with global counts), multiplied by dp_size because FSDP averages gradients over ranks;
-        so the gradient is that of the full mini-batch loss whatever the micro-batching.
-        """
-        import torch
-        from losses import agg_loss, global_counts, kl_penalty, policy_loss
-        actor = self.cfg.actor_rollout_ref.actor
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
-        mini_size = actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dp_size
-        b, response_len = batch["responses"].shape
-        metrics = {}
-
-        def record(name, value):
-            metrics.setdefault(name, []).append(float(value))
-
-        for _ in range(actor.ppo_epochs):
-            for start in range(0, b, mini_size):
-                mini = take(batch, list(range(start, min(start + mini_size, b))))
-                tokens, seqs = global_counts(mini["response_mask"])
-                tokens, seqs = all_reduce_sum([tokens, seqs], self.device)
-                agg = dict(agg_mode=actor.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, norm_len=response_len)
-                self.optimizer.zero_grad(set_to_none=True)
-                sums = {"pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0}
-                for index in self.micro_batches(mini, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
-                                                actor.ppo_max_token_len_per_gpu):
-                    micro = self._to_device(take(mini, index))
-                    mask = micro["response_mask"].float()
-                    logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0)
-                    pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], logp, micro["advantages"], mask,
-                                                      clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high,
-                                                      clip_c=actor.clip_ratio_c, **agg)
-                    loss = pg_loss
-                    sums["pg_loss"] += pg_loss.item()
-                    if actor.entropy_coeff != 0:
-                        entropy_share = agg_loss(entropy, mask, mode=actor.loss_agg_mode, **_counts(agg))
-                        loss = loss - actor.entropy_coeff * entropy_share
-                        sums["entropy"] += entropy_share.item()
-                    if actor.use_kl_loss:
-                        kl = kl_penalty(logp, micro["ref_log_prob"], actor.kl_loss_type)
-                        kl_share = agg_loss(kl, mask, mode=actor.loss_agg_mode, **_counts(agg))
-                        loss = loss + actor.kl_loss_coef * kl_share
-                        sums["kl_loss"] += kl_share.item()
-                    (loss * dp_size).backward()
-                    for name, value in pg_metrics.items():
-                        record(f"actor/{name}", value)
-                pg, kl, ent = all_reduce_sum([sums["pg_loss"], sums["kl_loss"], sums["entropy"]], self.device)
-                record("actor/pg_loss", pg)
-                if actor.use_kl_loss:
-                    record("actor/kl_loss", kl)
-                    record("actor/kl_coef", actor.kl_loss_coef)
-                if actor.entropy_coeff != 0:
-                    record("actor/entropy_loss", ent)
-                grad_norm = self.clip_and_step(actor.grad_clip, loss=pg + kl + ent)
-                record("actor/grad_norm", grad_norm)
-        record("actor/lr", self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return {name: float(np.mean(values)) for name, values in metrics.items()}
-
-    def clip_and_step(self, max_norm, loss=0.0):
-        """Clip the gradient norm and step. A non-finite gradient norm or `loss` (the same on every rank: both
-        are all-reduced) skips the optimizer step instead, counted in actor/skipped_steps."""
-        import torch
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        norm = float(norm)
-        if math.isfinite(norm) and math.isfinite(loss):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-        return norm
-
-    def checkpoint_counters(self):
-        """What a checkpoint keeps besides the model, optimizer and LR scheduler (checkpoint.py)."""
-        return {"skipped_steps": self.skipped_steps}
-
-    def load_checkpoint_counters(self, counters):
-        self.skipped_steps = counters["skipped_steps"]
-
-
-def _counts(agg):
-    return {k: v for k, v in agg.items() if k != "agg_mode"}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Logging: console, TensorBoard, wandb, and always <af_output_dir>/metrics.jsonl (rank 0 only)
+
+
+def kl_controller(kl_ctrl):
+    """algorithm.kl_ctrl -> the in-reward KL coefficient's controller (losses.py)."""
+    if kl_ctrl.type == "fixed":
+        return losses.FixedKLController(kl_ctrl.kl_coef)
+    return losses.AdaptiveKLController(kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
 
 
 class Tracker:
@@ -433,6 +250,10 @@ def data_metrics(batch, response_length):
     m.update(stats("critic/rewards", batch["token_level_rewards"].sum(-1).tolist()))
     m.update(stats("critic/advantages", batch["advantages"][mask].tolist()))
     m.update(stats("critic/returns", batch["returns"][mask].tolist()))
+    if "values" in batch:
+        values, returns = batch["values"][mask], batch["returns"][mask]
+        m.update(stats("critic/values", values.tolist()))
+        m["critic/vf_explained_var"] = float(1 - torch.var(returns - values) / (torch.var(returns) + 1e-5))
     m.update(stats("response_length", resp_len.tolist()))
     m["response_length/clip_ratio"] = float((resp_len == response_length).float().mean())
     m.update(stats("prompt_length", prompt_len.tolist()))
@@ -480,7 +301,9 @@ class Trainer:
                                                        trust_remote_code=arr.model.trust_remote_code)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
-                              image_key=data.image_key, return_raw_chat=data.return_raw_chat,
+                              image_key=data.image_key,
+                              # a reward model with its own chat template re-templates the raw conversation
+                              return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
                               chat_template=arr.model.custom_chat_template)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
@@ -493,12 +316,17 @@ class Trainer:
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
+        use_critic = cfg.algorithm.adv_estimator == "gae"
+        self.critic = Critic(cfg, self.device, self.total_steps, len(self.tokenizer)) if use_critic else None
+        self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
+        self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
         self.tracker = Tracker(cfg, enabled=self.rank == 0)
-        # what checkpoints hold (a critic joins the roles); resuming restores it all, RNG states included
+        # what checkpoints hold; resuming restores it all, RNG states included
         import checkpoint
-        self.roles = {"actor": self.actor}
-        self.global_step = checkpoint.resume(cfg, self.roles, self.loader)
+        self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+        self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
+        self.global_step = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):
@@ -527,6 +355,13 @@ class Trainer:
         return {**batch, **full}
 
     def score(self, batch):
+        """Scores [b] of this rank's rows: the reward model's when it is enabled (verl's reward manager then uses
+        the model score), else the rule (or custom) reward function's."""
+        if self.reward_model is not None:
+            return self.reward_model.score(batch, self.plan["reward_model_micro_batch"])
+        return self.rule_scores(batch)
+
+    def rule_scores(self, batch):
         """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
         import torch
         from rewards import score_responses
@@ -541,7 +376,6 @@ class Trainer:
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):
         import torch
-        from losses import compute_advantages
         from models import balanced_partitions
         from rewards import token_level_scores
         from rollout import Sampling, rollout_probs_diff
@@ -553,9 +387,12 @@ class Trainer:
             prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
             batch = repeat_interleave(prompts, arr.rollout.n)                            # B = prompts x n
 
-            # 2. generate with the current weights
+            # 2. generate with the current weights (ReMax also generates greedily, for its baseline)
             with timer("gen", timings):
-                batch = self.generate(batch, Sampling.from_config(arr.rollout), "train")
+                prompt_batch, batch = batch, self.generate(batch, Sampling.from_config(arr.rollout), "train")
+            if cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_max", timings):
+                    batch["reward_baselines"] = self.greedy_baselines(prompt_batch)      # [B]
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
             lengths = batch["attention_mask"].sum(-1).tolist()
@@ -575,7 +412,6 @@ class Trainer:
             with timer("reward", timings):
                 scores = all_gather_rows(self.score(local), self.world_size)             # [B]
                 batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
-                batch["token_level_rewards"] = batch["token_level_scores"]
 
             # 5. log-probs of the sampling policy, and of the reference
             with timer("old_log_prob", timings):
@@ -585,32 +421,58 @@ class Trainer:
                 mask = local["response_mask"].float()
                 ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
                 metrics["actor/entropy"] = ent_sum / max(tok, 1.0)
+                batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)   # [B, R]
                 if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
-                    old_log_probs = all_gather_rows(local["old_log_probs"], self.world_size)        # [B, R]
-                    metrics.update(rollout_probs_diff(batch["rollout_log_probs"], old_log_probs,
+                    metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
                                                       batch["response_mask"]))
             if self.ref is not None:
                 with timer("ref", timings):
                     local["ref_log_prob"], _ = self.ref.compute_log_prob(
                         local, self.plan["ref_log_prob_micro_batch"], arr.ref.log_prob_use_dynamic_bsz,
                         arr.ref.log_prob_max_token_len_per_gpu, arr.rollout.temperature)
+                    batch["ref_log_prob"] = all_gather_rows(local["ref_log_prob"], self.world_size)    # [B, R]
+            if self.critic is not None:
+                with timer("values", timings):
+                    local["values"] = self.critic.compute_values(local, self.plan["critic_forward_micro_batch"])
+                    batch["values"] = all_gather_rows(local["values"], self.world_size)              # [B, R]
 
             # 6. advantages over the whole batch (groups may span ranks); this rank keeps its rows
             with timer("adv", timings):
                 alg = cfg.algorithm
-                batch["advantages"], batch["returns"] = compute_advantages(
+                if self.kl_ctrl is not None:       # KL to the reference as a per-token penalty on the reward
+                    batch["token_level_rewards"], kl_metrics = losses.apply_kl_penalty(
+                        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                        batch["response_mask"], self.kl_ctrl, alg.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    batch["token_level_rewards"] = batch["token_level_scores"]
+                batch["advantages"], batch["returns"] = losses.compute_advantages(
                     alg.adv_estimator, token_rewards=batch["token_level_rewards"], mask=batch["response_mask"],
-                    group_ids=batch["uid"], gamma=alg.gamma, lam=alg.lam,
-                    norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-                local["advantages"] = batch["advantages"][mine]
+                    group_ids=batch["uid"], values=batch.get("values"), baselines=batch.get("reward_baselines"),
+                    gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+                local["advantages"], local["returns"] = batch["advantages"][mine], batch["returns"][mine]
 
-            # 7. PPO update of the actor
-            with timer("update_actor", timings):
-                metrics.update(self.actor.update(local, self.dp))
+            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl)
+            if self.critic is not None:
+                with timer("update_critic", timings):
+                    metrics.update(self.critic.update(local, self.dp))
+            if self.global_step >= cfg.trainer.critic_warmup:
+                with timer("update_actor", timings):
+                    metrics.update(self.actor.update(local, self.dp))
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         return metrics
+
+    def greedy_baselines(self, prompt_batch):
+        """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""
+        from rollout import Sampling
+        sampling = Sampling.from_config(self.cfg.actor_rollout_ref.rollout)
+        sampling.do_sample = False
+        greedy = self.generate(prompt_batch, sampling, "gen_max")
+        share = batch_size_of(greedy) // self.world_size
+        return all_gather_rows(self.score(take(greedy, list(range(self.rank * share, (self.rank + 1) * share)))),
+                               self.world_size)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self):

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
                             for a in (config.architectures or []))
         if is_classifier and config.num_labels != 1:
-            raise ValueError(f"'{path}' has a {config.num_labels}-output classification head; a critic or reward "
+            raise ConfigError(f"'{path}' has a {config.num_labels}-output classification head; a critic or reward "
                              f"model needs one output (num_labels=1)")
         config.num_labels = 1          # a causal-LM checkpoint gets a fresh one-output head
     model = loader.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -248,7 +249,7 @@ def lr_lambda(optim_cfg, total_steps):
     return constant if optim_cfg.warmup_style == "constant" else cosine
 
 
-def take_rows(batch, index):
+def take(batch, index):
     """Rows `index` of every field of a batch dict (tensors indexed, lists picked)."""
     index_tensor = torch.as_tensor(index, dtype=torch.long)
     return {k: (v[index_tensor] if isinstance(v, torch.Tensor) else [v[i] for i in index]) for k, v in batch.items()}
@@ -344,7 +345,7 @@ class Policy(Worker):
         entropy = torch.zeros(b, response_len) if calc_entropy else None
         with torch.no_grad():
             for index in self.micro_batches(batch, micro_size, dynamic, max_tokens):
-                lp, ent = self.forward(self.to_device(take_rows(batch, index)), temperature, calc_entropy)
+                lp, ent = self.forward(self.to_device(take(batch, index)), temperature, calc_entropy)
                 logp[index] = lp.cpu()
                 if calc_entropy:
                     entropy[index] = ent.cpu()
@@ -369,14 +370,14 @@ class Policy(Worker):
 
         for _ in range(actor.ppo_epochs):
             for start in range(0, b, mini_size):
-                mini = take_rows(batch, list(range(start, min(start + mini_size, b))))
+                mini = take(batch, list(range(start, min(start + mini_size, b))))
                 agg = self.global_agg_kwargs(mini, actor.loss_agg_mode)
                 counts = {k: v for k, v in agg.items() if k != "agg_mode"}
                 self.optimizer.zero_grad(set_to_none=True)
                 sums = {"pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0}
                 for index in self.micro_batches(mini, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
                                                 actor.ppo_max_token_len_per_gpu):
-                    micro = self.to_device(take_rows(mini, index))
+                    micro = self.to_device(take(mini, index))
                     mask = micro["response_mask"].float()
                     logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0)
                     pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], logp, micro["advantages"], mask,
@@ -433,7 +434,7 @@ class Critic(Worker):
         with torch.no_grad():
             for index in self.micro_batches(batch, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
-                values[index] = token_values(self.model, self.to_device(take_rows(batch, index)),
+                values[index] = token_values(self.model, self.to_device(take(batch, index)),
                                              self.use_remove_padding).cpu()
         return values * batch["response_mask"]
 
@@ -447,13 +448,13 @@ class Critic(Worker):
         metrics = {}
         for _ in range(critic.ppo_epochs):
             for start in range(0, b, mini_size):
-                mini = take_rows(batch, list(range(start, min(start + mini_size, b))))
+                mini = take(batch, list(range(start, min(start + mini_size, b))))
                 agg = self.global_agg_kwargs(mini, critic.loss_agg_mode)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for index in self.micro_batches(mini, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
                                                 critic.ppo_max_token_len_per_gpu):
-                    micro = self.to_device(take_rows(mini, index))
+                    micro = self.to_device(take(mini, index))
                     mask = micro["response_mask"].float()
                     vpreds = token_values(self.model, micro, self.use_remove_padding)
                     loss, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], mask,
@@ -496,8 +497,9 @@ class RewardModel(Worker):
             [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])], skip_special_tokens=True)
         conversations = [list(prompt) + [{"role": "assistant", "content": text}]
                          for prompt, text in zip(batch["raw_prompt"], texts)]
-        ids = [self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=False) for c in conversations]
-        ids = [list(x["input_ids"] if isinstance(x, dict) else x) for x in ids]
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=False)
+                 for c in conversations]
+        ids = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         max_len = self.cfg.max_length or max(len(x) for x in ids)
         ids = [x[-max_len:] for x in ids]                                # keep the end: the score is read there
         width = max(len(x) for x in ids)
@@ -516,7 +518,7 @@ class RewardModel(Worker):
         with torch.no_grad():
             for index in self.micro_batches(inputs, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
-                micro = self.to_device(take_rows(inputs, index))
+                micro = self.to_device(take(inputs, index))
                 scores[index] = last_token_scores(self.model, micro, self.use_remove_padding).cpu()
         return scores
 
@@ -525,5 +527,5 @@ def check_fits(model, tokenizer_len, key):
     """A critic or reward model must embed every token id it will be fed."""
     vocab = model.get_input_embeddings().weight.shape[0]
     if vocab < tokenizer_len:
-        raise ValueError(f"'{key}': the model's vocabulary has {vocab} rows but the tokenizer it is fed has "
+        raise ConfigError(f"'{key}': the model's vocabulary has {vocab} rows but the tokenizer it is fed has "
                          f"{tokenizer_len} tokens; use a model trained with the same tokenizer")

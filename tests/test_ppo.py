@@ -1,0 +1,144 @@
+"""PPO: a learned critic with GAE, a reward model, and KL in the reward, through the real trainer (torchrun)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import losses
+from data import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc, *args, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29900 + os.getpid() % 90), *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ppo_models(demo_dir, tmp_path_factory):
+    """A critic (token classification) and a reward model (sequence classification) on the demo's tokenizer; the
+    RM's tokenizer carries a different chat template, so the trainer must re-template conversations for it."""
+    root = tmp_path_factory.mktemp("ppo_models")
+    tokenizer = AutoTokenizer.from_pretrained(f"{demo_dir}/model")
+    build_tiny_model(tokenizer, kind="token_cls", seed=1).save_pretrained(root / "critic")
+    tokenizer.save_pretrained(root / "critic")
+    build_tiny_model(tokenizer, kind="seq_cls", seed=2).save_pretrained(root / "rm")
+    tokenizer.chat_template = ("{%- for m in messages %}{{- 'RM ' + m['role'] + ': ' + m['content'] + '\\n' }}"
+                               "{%- endfor %}")
+    tokenizer.save_pretrained(root / "rm")
+    return root
+
+
+def base_overrides(demo_dir, out, steps):
+    return [f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
+            f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
+            f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=gae",
+            "critic.ppo_micro_batch_size_per_gpu=2", "critic.optim.lr=1e-3", "algorithm.lam=0.95",
+            "actor_rollout_ref.actor.use_kl_loss=false"]
+
+
+@pytest.fixture(scope="module")
+def ppo_two_ranks(demo_dir, ppo_models, tmp_path_factory):
+    """GAE with a critic and adaptive in-reward KL, 2 ranks, 3 steps."""
+    out = tmp_path_factory.mktemp("ppo2")
+    torchrun(2, "tests/ppo_probe.py", out / "probe.pt", *base_overrides(demo_dir, out, 3),
+             f"critic.model.path={ppo_models}/critic", "algorithm.use_kl_in_reward=true",
+             "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=1e-6", "algorithm.kl_ctrl.horizon=100",
+             "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_penalty=abs")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, "probe": torch.load(out / "probe.pt", weights_only=False)}
+
+
+@pytest.fixture(scope="module")
+def ppo_one_rank(demo_dir, ppo_models, tmp_path_factory):
+    """GAE with a critic, a reward model (its own chat template) and fixed in-reward KL, 1 rank, 1 step."""
+    out = tmp_path_factory.mktemp("ppo1")
+    torchrun(1, "tests/ppo_probe.py", out / "probe.pt", *base_overrides(demo_dir, out, 1),
+             f"critic.model.path={ppo_models}/critic", "reward_model.enable=true",
+             f"reward_model.model.path={ppo_models}/rm", "reward_model.micro_batch_size_per_gpu=3",
+             "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_penalty=kl",
+             "trainer.balance_batch=false")
+    return torch.load(out / "probe.pt", weights_only=False)
+
+
+CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/vf_explained_var",
+                  "critic/grad_norm", "critic/lr", "critic/values/mean", "critic/values/max", "critic/returns/mean",
+                  "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"]
+
+
+def test_ppo_end_to_end_trains_the_critic(ppo_two_ranks):
+    rows, probe = ppo_two_ranks["rows"], ppo_two_ranks["probe"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        missing = [m for m in CRITIC_METRICS if m not in row]
+        assert not missing, missing
+    assert probe["critic_changed"] == probe["critic_names"]
+
+
+def test_adaptive_kl_coefficient_grows_when_kl_is_above_target(ppo_two_ranks):
+    """beta *= 1 + clip(kl/target - 1, -0.2, 0.2) * B / horizon after each step (B = 8 responses, horizon 100).
+    Step 1: the actor IS the reference, kl = 0, err = -0.2: beta shrinks by 1 - 0.016. Step 2: the actor has
+    moved, kl >> target_kl = 1e-6, err = +0.2: beta grows by 1 + 0.016. The coefficient logged is the one used."""
+    rows = ppo_two_ranks["rows"]
+    assert rows[0]["actor/reward_kl_penalty"] == 0.0 and rows[1]["actor/reward_kl_penalty"] > 1e-6
+    coeffs = [r["actor/reward_kl_penalty_coeff"] for r in rows]
+    assert coeffs == pytest.approx([0.05, 0.05 * 0.984, 0.05 * 0.984 * 1.016], rel=1e-6)
+
+
+def test_trainer_advantages_equal_gae_on_the_same_tensors(ppo_one_rank):
+    call = ppo_one_rank["compute_advantages"]
+    kw = call["kwargs"]
+    assert call["args"] == ("gae",)
+    expected_adv, expected_ret = losses.gae_advantages(kw["token_rewards"], kw["values"], kw["mask"], gamma=1.0,
+                                                       lam=0.95)
+    adv, ret = call["result"]
+    assert torch.allclose(adv, expected_adv, atol=1e-6) and torch.allclose(ret, expected_ret, atol=1e-6)
+    # the values are the critic's, computed before any update, zero outside the response mask
+    values_call = ppo_one_rank["compute_values"]
+    assert torch.equal(kw["values"], values_call["result"])
+    assert torch.all(kw["values"][kw["mask"] == 0] == 0)
+
+
+def test_in_reward_kl_changes_rewards_as_the_formula_says(ppo_one_rank):
+    """token_rewards = token_scores - beta * (logp_old - logp_ref) * mask, with beta = kl_coef = 0.1."""
+    kl_call = ppo_one_rank["apply_kl_penalty"]
+    scores, logp, ref, mask = kl_call["args"][:4]
+    expected = scores - 0.1 * (logp - ref) * mask
+    rewards, metrics = kl_call["result"]
+    assert torch.allclose(rewards, expected, atol=1e-6)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    assert torch.equal(ppo_one_rank["compute_advantages"]["kwargs"]["token_rewards"], rewards)
+
+
+def test_reward_model_scores_equal_a_direct_forward_on_the_same_text(ppo_one_rank, ppo_models):
+    """The RM's own template differs from the actor's, so each conversation is re-templated; its score equals
+    transformers' Qwen2ForSequenceClassification on that text, and it is the score the trainer used."""
+    call = ppo_one_rank["score"]
+    batch = call["args"][0]
+    tokenizer = AutoTokenizer.from_pretrained(ppo_models / "rm")
+    actor_tokenizer = AutoTokenizer.from_pretrained(ppo_models / "critic")
+    rm = AutoModelForSequenceClassification.from_pretrained(ppo_models / "rm", dtype=torch.float32).eval()
+    expected = []
+    for prompt, response, mask in zip(batch["raw_prompt"], batch["responses"], batch["response_mask"]):
+        text = actor_tokenizer.decode(response[mask.bool()].tolist(), skip_special_tokens=True)
+        rendered = "".join(f"RM {m['role']}: {m['content']}\n" for m in list(prompt) + [
+            {"role": "assistant", "content": text}])
+        ids = tokenizer(rendered, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected.append(rm(input_ids=ids).logits[0, 0])
+    assert torch.allclose(call["result"], torch.stack(expected), atol=1e-5)
+    # the model score replaces the rule score, on the last response token (before the KL penalty)
+    token_scores = ppo_one_rank["apply_kl_penalty"]["args"][0]
+    assert torch.allclose(token_scores.sum(-1), call["result"], atol=1e-6)
