@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,6 @@ def use_vllm_in_process(run_dir):
             path = Path(run_dir, "vllm", folder).resolve()
             path.mkdir(parents=True, exist_ok=True)
             os.environ[key] = str(path)
-    import tempfile
     tempfile.tempdir = None                       # re-read TMPDIR
 
 
