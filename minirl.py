@@ -530,7 +530,7 @@ class Trainer:
                     metrics["timing_s/testing"] = time.perf_counter() - start
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer)
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.loader.epoch
