@@ -170,14 +170,26 @@ class RLHFDataset:
     def __len__(self):
         return len(self.rows)
 
+    def check_prompt_lengths(self):
+        """With truncation=error, fail now, naming the first overlong row, rather than in the middle of training."""
+        if self.truncation != "error":
+            return
+        for i, row in enumerate(self.rows):
+            length = len(self._prompt_ids(row))
+            if length > self.max_prompt_length:
+                raise self._overlong_error(i, length)
+
+    def _overlong_error(self, i, length):
+        path, row_number, _ = self.origins[i]
+        return ValueError(f"{path}, row {row_number}: the templated prompt is {length} tokens, longer than "
+                          f"max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length, set "
+                          f"data.truncation=left (or right/middle), or set data.filter_overlong_prompts=True")
+
     def __getitem__(self, i):
         row = self.rows[i]
         ids = self._prompt_ids(row)
         if len(ids) > self.max_prompt_length and self.truncation == "error":
-            path, row_number, _ = self.origins[i]
-            raise ValueError(f"{path}, row {row_number}: the templated prompt is {len(ids)} tokens, longer than "
-                             f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length, set "
-                             f"truncation=left (or right/middle), or set filter_overlong_prompts=True")
+            raise self._overlong_error(i, len(ids))
         raw_prompt_ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
         input_ids, attention_mask = left_pad(raw_prompt_ids, self.max_prompt_length, self.tokenizer.pad_token_id)
         item = {

@@ -307,6 +307,8 @@ class Trainer:
                               chat_template=arr.model.custom_chat_template)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
+        for dataset in (self.train_set, self.val_set or self.train_set):
+            dataset.check_prompt_lengths()
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         if len(self.loader) == 0:
             raise ConfigError(f"data.train_batch_size={data.train_batch_size} is larger than the training set "
@@ -691,6 +693,9 @@ def main(argv=None):
         trainer = Trainer(cfg)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as err:       # bad data or model files, found while setting up
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except checkpoint.CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)

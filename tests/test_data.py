@@ -386,3 +386,15 @@ def test_demo_parquet_through_dataset_and_loader(demo_dir, tokenizer):
     assert batch["input_ids"].shape == (64, 32) and batch["attention_mask"].shape == (64, 32)
     assert batch["index"] == [extra["index"] for extra in batch["extra_info"]]
     assert set(batch["data_source"]) == {"minirl/add"}
+
+
+def test_check_prompt_lengths_names_the_first_overlong_row_up_front(tmp_path, tokenizer):
+    """truncation=error is checked for the whole dataset at start-up (the trainer calls it before loading models)."""
+    path = write_rows(tmp_path / "lengths.parquet", ["1", "1 2 3 4 5 6 7 8 9"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}], add_generation_prompt=True,
+                                         tokenize=False)
+    short = len(tokenizer.encode(text, add_special_tokens=False))      # row 0 fits exactly, row 1 does not
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=short)
+    with pytest.raises(ValueError, match=r"lengths.parquet, row 1: the templated prompt is \d+ tokens"):
+        ds.check_prompt_lengths()
+    RLHFDataset(path, tokenizer, max_prompt_length=short, truncation="left").check_prompt_lengths()   # no error

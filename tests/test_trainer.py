@@ -14,12 +14,13 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(nproc, *args, timeout=600):
+def torchrun(nproc, *args, timeout=600, expect_ok=True):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(29600 + os.getpid() % 300), *map(str, args)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    if expect_ok:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
 
@@ -91,6 +92,21 @@ def test_actor_trains_and_reference_stays_frozen(demo_dir, tmp_path, nproc):
     assert report["ref_equals_initial_actor"]
     assert report["ref_changed"] == []
     assert report["actor_changed"] == report["actor_names"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3"], "3*3 = 9 responses must be divisible by the world size 2"),
+    (["actor_rollout_ref.actor.kl_loss_type=k4"], "'actor_rollout_ref.actor.kl_loss_type' is 'k4'"),
+    (["data.max_prompt_length=8"], "row 0: the templated prompt is"),
+])
+def test_bad_input_is_a_clear_error_before_training(demo_dir, tmp_path, overrides, message):
+    """Under torchrun, on 2 ranks: the run stops before any step, with the key (or file and row) named."""
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+                   f"af_output_dir={tmp_path}", *overrides, expect_ok=False)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
