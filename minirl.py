@@ -1,4 +1,5 @@
-"""minirl: RL post-training (GRPO, and the other critic-free estimators) of a Hugging Face LLM on one host.
+"""minirl: RL post-training of a Hugging Face LLM on one host: GRPO (and the other critic-free estimators) and
+PPO with a learned critic.
 
 One process per device, torch.distributed between them, FSDP2 for the trainable models, verl's config keys:
 
@@ -11,10 +12,12 @@ One training step, in verl's order (see `train_step`):
     1. prompts -> repeat each n times (interleaved), one uid per prompt
     2. generate responses with the current weights (rollout.py)
     3. balance sequence lengths across ranks
-    4. score them (rewards.py), the score on each response's last token
-    5. old log-probs (the policy that sampled) and reference log-probs (for the KL loss)
-    6. advantages (losses.py), over the whole batch
-    7. PPO update of the actor: mini-batches, micro-batches, loss normalised over the global mini-batch
+    4. score them (rule rewards in rewards.py, or a reward model), the score on each response's last token
+    5. old log-probs (the policy that sampled), reference log-probs (for KL), the critic's values (PPO)
+    6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
+    7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
+       mini-batch
+Models and their updates live in models.py, generation in rollout.py, checkpoints in checkpoint.py.
 
 Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
 (all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import shutil
@@ -36,11 +38,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
+import checkpoint
 import losses
 from config import ConfigError, batch_plan, format_plan, load_config, total_training_steps
-from models import Critic, Policy, RewardModel, all_reduce_sum, take
+from data import PromptLoader, RLHFDataset, collate
+from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
+                    take)
+from rewards import load_reward_fn, score_responses, token_level_scores
+from rollout import Sampling, build_rollout, gather_tp_groups, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -48,7 +61,6 @@ from models import Critic, Policy, RewardModel, all_reduce_sum, take
 
 def pick_device(requested="auto"):
     """(device type, process-group backend): npu/hccl when torch_npu is usable, cuda/nccl, else cpu/gloo."""
-    import torch
 
     def npu_available():
         try:
@@ -71,8 +83,6 @@ def pick_device(requested="auto"):
 
 def init_distributed(device_type, backend):
     """Join torchrun's process group (or make a one-process group). Returns (rank, world_size, device)."""
-    import torch
-    import torch.distributed as dist
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -90,7 +100,6 @@ def init_distributed(device_type, backend):
 
 
 def seed_everything(seed):
-    import torch
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -112,7 +121,6 @@ def local_path(path, cache_dir, filesystem=None):
     place, so a half-copied folder is never used."""
     if not str(path).startswith("hdfs://") and filesystem is None:
         return str(path)
-    import pyarrow.fs as pafs
     if filesystem is None:
         try:
             filesystem, remote = pafs.FileSystem.from_uri(path)
@@ -166,8 +174,6 @@ def repeat_interleave(batch, n):
 
 def all_gather_rows(tensor, world_size):
     """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
-    import torch
-    import torch.distributed as dist
     if world_size == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
@@ -190,13 +196,16 @@ class Tracker:
     CONSOLE_KEYS = ("critic/score/mean", "val-core", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
                     "actor/entropy", "actor/grad_norm", "timing_s/step")
 
-    def __init__(self, cfg, enabled):
+    def __init__(self, cfg, enabled, start_step=0):
+        """start_step: the step a resumed run continues after; rows a killed run logged past it are dropped, so
+        metrics.jsonl holds each step once."""
         self.enabled = enabled
         self.loggers = cfg.trainer.logger
         if not enabled:
             return
         out = Path(cfg.af_output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(out / "metrics.jsonl", start_step)
         self.jsonl = open(out / "metrics.jsonl", "a")
         self.tb = self.wandb = None
         if "tensorboard" in self.loggers:
@@ -230,6 +239,18 @@ class Tracker:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def drop_rows_after(path, step):
+    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        os.replace(staging, path)
 
 
 def stats(prefix, values):
@@ -283,18 +304,14 @@ class Trainer:
     """Holds what lives across steps: models, rollout engine, data, reward function, logger."""
 
     def __init__(self, cfg):
-        import torch
-        from transformers import AutoTokenizer
-        from data import PromptLoader, RLHFDataset
-        from rewards import load_reward_fn
-        from rollout import build_rollout
         self.cfg = cfg
         device_type, backend = pick_device(cfg.trainer.device)
         self.rank, self.world_size, self.device = init_distributed(device_type, backend)
         self.plan = batch_plan(cfg, self.world_size)
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size)) if device_type == "cpu" else None
+        if device_type == "cpu":        # share the cores between the ranks
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
@@ -323,12 +340,11 @@ class Trainer:
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
-        self.tracker = Tracker(cfg, enabled=self.rank == 0)
         # what checkpoints hold; resuming restores it all, RNG states included
-        import checkpoint
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
         self.global_step = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
+        self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):
@@ -336,8 +352,6 @@ class Trainer:
         rank. The engine's TP groups (tp_size consecutive ranks; 1 rank for hf) split the batch: group g takes the
         g-th contiguous share, all its ranks with the same prompts and seed, and one copy per group is gathered.
         With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens)."""
-        from models import full_state_dict_items
-        from rollout import gather_tp_groups, pad_logprobs, responses_to_batch
         tp = self.rollout.tp_size
         dp_rank, dp_size = self.rank // tp, self.world_size // tp
         share = batch_size_of(batch) // dp_size
@@ -365,8 +379,6 @@ class Trainer:
 
     def rule_scores(self, batch):
         """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
-        import torch
-        from rewards import score_responses
         texts = self.tokenizer.batch_decode(
             [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
             skip_special_tokens=True)
@@ -377,10 +389,6 @@ class Trainer:
 
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):
-        import torch
-        from models import balanced_partitions
-        from rewards import token_level_scores
-        from rollout import Sampling, rollout_probs_diff
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timings, metrics = {}, {}
 
@@ -468,7 +476,6 @@ class Trainer:
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""
-        from rollout import Sampling
         sampling = Sampling.from_config(self.cfg.actor_rollout_ref.rollout)
         sampling.do_sample = False
         greedy = self.generate(prompt_batch, sampling, "gen_max")
@@ -480,9 +487,6 @@ class Trainer:
     def validate(self):
         """Generate for the whole validation set with val_kwargs (greedy by default) and score it:
         val-core/<data_source>/reward/mean@N."""
-        import torch
-        from data import collate
-        from rollout import Sampling
         arr = self.cfg.actor_rollout_ref
         n = arr.rollout.val_kwargs.n
         rows = [self.val_set[i] for i in range(len(self.val_set))]
@@ -507,8 +511,6 @@ class Trainer:
     def fit(self):
         """Train from self.global_step (0, or where the checkpoint left off) to total_steps. The loader carries
         the data position, so a resume at an epoch boundary goes on with the next epoch."""
-        import checkpoint
-        from tqdm import tqdm
         cfg = self.cfg
         if self.val_set is not None and cfg.trainer.val_before_train:
             self.tracker.log(self.validate(), step=self.global_step)
@@ -548,7 +550,6 @@ class Trainer:
     def stop_if_diverged(self, skipped_in_a_row, metrics):
         """Warn about a skipped (non-finite) update; NONFINITE_STEPS_TO_STOP of them in a row end the run.
         Skipped steps are never checkpointed, so the last checkpoint holds the last good state."""
-        import checkpoint
         if self.rank == 0:
             print(f"warning: step {self.global_step}: non-finite loss or gradient norm (actor/pg_loss="
                   f"{metrics.get('actor/pg_loss')}, actor/grad_norm={metrics.get('actor/grad_norm')}); the update "
@@ -568,7 +569,6 @@ class Trainer:
     def close(self):
         """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
         process group, so it comes after the last collective."""
-        import torch.distributed as dist
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
@@ -652,12 +652,10 @@ def parse_args(argv=None):
 
 
 def print_config(cfg, world_size):
-    import yaml
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     plan = batch_plan(cfg, world_size)
     steps = None
     try:
-        import pyarrow.parquet as pq
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
@@ -672,7 +670,6 @@ def main(argv=None):
         plot(args.plot)
         return 0
     if args.export:
-        import checkpoint
         try:
             checkpoint.export_hf(*args.export)
         except checkpoint.CheckpointError as err:
@@ -688,7 +685,6 @@ def main(argv=None):
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    import checkpoint
     try:
         trainer = Trainer(cfg)
     except ConfigError as err:

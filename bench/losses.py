@@ -9,7 +9,6 @@ Prints the median time of each and the speedup, then a markdown table.
 """
 
 import argparse
-import math
 import os
 import statistics
 import sys

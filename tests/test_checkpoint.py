@@ -126,18 +126,20 @@ def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir,
     with open(tmp_path / "killed.log", "w") as log:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 180
-        while not (tracker.is_file() and tracker.read_text() == "2"):
+        metrics = tmp_path / "metrics.jsonl"
+        while not (tracker.is_file() and tracker.read_text() == "2" and metrics.is_file()
+                   and '"step": 2,' in metrics.read_text()):
             assert agent.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
             time.sleep(0.005)
         for pid in worker_pids(agent.pid) + [agent.pid]:
             os.killpg(pid, signal.SIGKILL)
         agent.wait()
     assert not (tmp_path / "checkpoints" / "global_step_4").exists(), "the kill came too late to test anything"
-    logged_before = len(metric_rows(tmp_path / "metrics.jsonl"))
 
     train(demo_dir, data_file, tmp_path)                             # trainer.resume_mode=auto (the default)
-    resumed = metric_rows(tmp_path / "metrics.jsonl")[logged_before:]
-    assert [r["step"] for r in resumed] == [3, 4, 5]
+    rows = metric_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], "each step once: rows logged after the checkpoint dropped"
+    resumed = rows[2:]
     assert resumed == metric_rows(run_a / "metrics.jsonl")[2:]
     # global_step_2 closed epoch 0 (2 batches of 2): the resumed run trains epoch 1, then epoch 2
     assert [r["training/epoch"] for r in resumed] == [1, 1, 2]
