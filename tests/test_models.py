@@ -1,5 +1,6 @@
 """The forward pass: packed (remove padding) vs padded log-probs, the response slice, micro-batch partitions, and
 the rollout batch assembly."""
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -124,3 +125,37 @@ def test_critic_values_are_the_head_before_each_response_token(tiny_critic_dir):
         direct = critic(input_ids=row).logits[0, :, 0]                    # one value per position
     # the value of response token t is the head's output at the position before it: positions 1, 2, 3
     assert torch.allclose(values[0, :3], direct[1:4], atol=1e-5)
+
+
+def test_lr_schedule_warmup_constant_and_cosine():
+    from config import Config
+    from models import lr_lambda
+    optim = Config(lr_warmup_steps=4, lr_warmup_steps_ratio=0.0, min_lr_ratio=0.0, num_cycles=0.5,
+                   warmup_style="constant")
+    constant = lr_lambda(optim, total_steps=20)
+    assert [constant(s) for s in (0, 1, 2, 4, 10)] == [0.0, 0.25, 0.5, 1.0, 1.0]    # linear from 0, then 1
+    cosine = lr_lambda(Config(optim, warmup_style="cosine", min_lr_ratio=0.1), total_steps=14)
+    # warmup from min_lr_ratio: 0.1 + 0.9 * 2/4 = 0.55 at step 2; after warmup progress = (s-4)/10 and
+    # factor = max(0.1, 0.9 * 0.5 * (1 + cos(pi * 2 * 0.5 * progress)) + 0.1): 1.0 at s=4, 0.55 at s=9, 0.1 at s=14
+    assert cosine(2) == pytest.approx(0.55)
+    assert [cosine(s) for s in (4, 9, 14)] == pytest.approx([1.0, 0.55, 0.1])
+    ratio = lr_lambda(Config(optim, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.25), total_steps=20)
+    assert ratio(2) == pytest.approx(2 / 5)                  # warmup = int(0.25 * 20) = 5 steps
+
+
+def test_critic_or_reward_model_that_does_not_fit_is_a_clear_error(tiny_tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+    from config import ConfigError
+    from data import build_tiny_model
+    from models import check_fits, load_model
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    two_labels = build_tiny_model(tokenizer, kind="seq_cls")
+    two_labels.config.num_labels = 2
+    two_labels.save_pretrained(tmp_path / "two")
+    with pytest.raises(ConfigError, match="2-output classification head.*num_labels=1"):
+        load_model(tmp_path / "two", kind="token_cls")
+    model = build_tiny_model(tokenizer, kind="token_cls")
+    with pytest.raises(ConfigError, match="'critic.model.path': the model's vocabulary has 512 rows but the "
+                                          "tokenizer it is fed has 600 tokens"):
+        check_fits(model, 600, "critic.model.path")
+    check_fits(model, len(tokenizer), "critic.model.path")      # fits: no error
