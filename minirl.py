@@ -174,11 +174,7 @@ def repeat_interleave(batch, n):
 
 def all_gather_rows(tensor, world_size):
     """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
-    if world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+    return gather_tp_groups(tensor, world_size, tp_size=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,7 +190,7 @@ def kl_controller(kl_ctrl):
 
 class Tracker:
     CONSOLE_KEYS = ("critic/score/mean", "val-core", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
-                    "actor/entropy", "actor/grad_norm", "timing_s/step")
+                    "critic/vf_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
 
     def __init__(self, cfg, enabled, start_step=0):
         """start_step: the step a resumed run continues after; rows a killed run logged past it are dropped, so
