@@ -162,6 +162,7 @@ CHOICES = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
+    "reward_model.reward_manager": ("naive",),
 }
 LOGGERS = ("console", "tensorboard", "wandb")
 
@@ -175,6 +176,41 @@ NOT_YET = {
     "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
+    "trainer.nnodes": (1, "multi-node training (minirl runs on one host)"),
+    "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
+}
+
+# verl keys that load (so verl configs work) but change nothing in minirl: set to anything but their default, they
+# earn a warning naming them. Prefixes end with '.'.
+NO_EFFECT = {
+    "data.use_shm": "files are read from their local path",
+    "data.val_batch_size": "validation generates the whole set at once (verl's default)",
+    "data.return_raw_input_ids": "the raw prompt ids always travel with the batch",
+    "data.return_full_prompt": "not returned",
+    "data.dataloader_num_workers": "prompts are loaded in the trainer process",
+    "data.validation_shuffle": "validation keeps the file order",
+    "data.filter_overlong_prompts_workers": "filtering runs in the trainer process",
+    "data.video_key": "videos are not supported yet",
+    "data.custom_cls.": "the dataset class is fixed",
+    "actor_rollout_ref.model.use_shm": "models are read from their local path",
+    "actor_rollout_ref.model.external_lib": "not imported",
+    "actor_rollout_ref.model.enable_activation_offload": "activations stay on the device",
+    "actor_rollout_ref.model.use_liger": "no Liger kernels",
+    "actor_rollout_ref.model.use_fused_kernels": "no fused log-prob kernels",
+    "actor_rollout_ref.actor.entropy_checkpointing": "entropy is not checkpointed",
+    "actor_rollout_ref.actor.shuffle": "mini-batches keep their order (verl ignores it too)",
+    "actor_rollout_ref.actor.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
+    "actor_rollout_ref.ref.fsdp_config.": "FSDP2 shards every decoder layer and the root",
+    "critic.model.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
+    "critic.model.lora_rank": "the critic is fully fine-tuned",
+    "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
+    "reward_model.launch_reward_fn_async": "rewards are computed in the step",
+    "actor_rollout_ref.rollout.layered_summon": "weights are gathered one tensor at a time",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "weights are sent one tensor at a time",
+    "actor_rollout_ref.rollout.calculate_log_probs": "vLLM's log-probs are always compared (rollout_probs_diff)",
+    "trainer.log_val_generations": "validation generations are not logged",
+    "trainer.default_hdfs_dir": "checkpoints are written locally",
+    "trainer.del_local_ckpt_after_load": "checkpoints are kept",
 }
 
 SEED_SECTIONS = ("data", "actor_rollout_ref", "critic", "reward_model", "algorithm", "trainer", "rollout",
@@ -475,6 +511,18 @@ def _is_type(value, want):
     if want is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, want)
+
+
+def settings_without_effect(cfg):
+    """Warnings for NO_EFFECT keys set away from their defaults (printed by minirl.py at start-up)."""
+    defaults = Config.wrap(_defaults())
+    found = []
+    for dotted in _all_dotted_keys():
+        reason = next((why for key, why in NO_EFFECT.items() if dotted == key or
+                       (key.endswith(".") and dotted.startswith(key))), None)
+        if reason and _get(cfg, dotted) != _get(defaults, dotted):
+            found.append(f"config key '{dotted}'={_get(cfg, dotted)!r} has no effect in minirl: {reason}")
+    return found
 
 
 def validate(cfg, world_size=None, check_paths=True):

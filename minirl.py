@@ -48,7 +48,8 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import losses
-from config import ConfigError, batch_plan, format_plan, load_config, total_training_steps
+from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
+                    total_training_steps)
 from data import PromptLoader, RLHFDataset, collate
 from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
                     take)
@@ -468,7 +469,23 @@ class Trainer:
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
         metrics.update(timing_metrics(timings, batch, self.world_size))
+        if cfg.trainer.rollout_data_dir and self.rank == 0:
+            self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
         return metrics
+
+    def dump_generations(self, folder, batch, scores):
+        """verl's generation dump: <folder>/<step>.jsonl, one {input, output, score, step} line per response."""
+        def decode(ids, mask):
+            return self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+
+        prompt_len = batch["prompts"].shape[1]
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(folder) / f"{self.global_step}.jsonl", "w") as out:
+            for i, score in enumerate(scores):
+                mask = batch["attention_mask"][i]
+                out.write(json.dumps({"input": decode(batch["prompts"][i], mask[:prompt_len]),
+                                      "output": decode(batch["responses"][i], batch["response_mask"][i]),
+                                      "score": score, "step": self.global_step}) + "\n")
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""
@@ -494,6 +511,8 @@ class Trainer:
         share = batch_size_of(batch) // self.world_size
         local = take(batch, list(range(self.rank * share, (self.rank + 1) * share)))
         scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
+        if self.cfg.trainer.validation_data_dir and self.rank == 0:
+            self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores)
         sources = batch[self.cfg.data.reward_fn_key][:total]
         metrics = {}
         for source in sorted(set(sources)):
@@ -678,6 +697,9 @@ def main(argv=None):
         if args.print_config:
             print_config(cfg, world_size)
             return 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            for warning in settings_without_effect(cfg):
+                print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

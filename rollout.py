@@ -42,6 +42,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     do_sample: bool = True
+    ignore_eos: bool = False        # generate max_tokens every time (the response mask still ends at the first EOS)
 
     @property
     def greedy(self):
@@ -52,7 +53,8 @@ class Sampling:
         """Training sampling from actor_rollout_ref.rollout, or validation sampling from its val_kwargs."""
         src = rollout_cfg.val_kwargs if validate else rollout_cfg
         return cls(max_tokens=rollout_cfg.response_length, temperature=float(src.temperature),
-                   top_p=float(src.top_p), top_k=int(src.top_k), do_sample=bool(src.do_sample))
+                   top_p=float(src.top_p), top_k=int(src.top_k), do_sample=bool(src.do_sample),
+                   ignore_eos=bool(rollout_cfg.ignore_eos))
 
 
 def eos_token_ids(tokenizer, generation_config=None):
@@ -102,7 +104,7 @@ class HFRollout:
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
         kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=self.eos_ids, pad_token_id=pad,
-                      do_sample=not sampling.greedy)
+                      do_sample=not sampling.greedy, min_new_tokens=sampling.max_tokens if sampling.ignore_eos else 0)
         if not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
@@ -181,7 +183,7 @@ class VLLMRollout:
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
-                      stop_token_ids=list(self.eos_ids))
+                      ignore_eos=sampling.ignore_eos, stop_token_ids=[] if sampling.ignore_eos else list(self.eos_ids))
         if sampling.greedy:
             common.update(temperature=0.0, top_p=1.0, top_k=0)
         else:

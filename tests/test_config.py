@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import DEFAULTS, ConfigError, batch_plan, load_config
+from config import DEFAULTS, ConfigError, batch_plan, load_config, settings_without_effect
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_TABLE = ROOT.parent / "shared" / "seed" / "parameters.md"
@@ -251,3 +251,19 @@ def test_cli_reports_config_error_before_loading_models(paths):
                           "data.train_bacth_size=4"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2
     assert "did you mean 'data.train_batch_size'" in out.stderr
+
+
+def test_verl_keys_without_effect_are_named_in_a_warning(paths):
+    assert settings_without_effect(load_config(write(paths, minimal(paths)), world_size=2)) == []
+    cfg = load_config(write(paths, minimal(paths)), ["data.dataloader_num_workers=4",
+                                                     "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true"],
+                      world_size=2)
+    warnings = settings_without_effect(cfg)
+    assert len(warnings) == 2
+    assert warnings[0].startswith("config key 'data.dataloader_num_workers'=4 has no effect in minirl")
+    assert "'actor_rollout_ref.actor.fsdp_config.forward_prefetch'=True" in warnings[1]
+
+
+def test_multi_node_is_refused(paths):
+    with pytest.raises(ConfigError, match="trainer.nnodes' enables multi-node training"):
+        load_config(write(paths, minimal(paths)), ["trainer.nnodes=2"], world_size=2)

@@ -159,3 +159,18 @@ def test_critic_or_reward_model_that_does_not_fit_is_a_clear_error(tiny_tokenize
                                           "tokenizer it is fed has 600 tokens"):
         check_fits(model, 600, "critic.model.path")
     check_fits(model, len(tokenizer), "critic.model.path")      # fits: no error
+
+
+def test_ignore_eos_generates_max_tokens(demo_dir):
+    """The warmed-up demo model answers '#### N<|im_end|>' and stops; with ignore_eos it goes on to max_tokens."""
+    from transformers import AutoTokenizer
+    from rollout import HFRollout, Sampling
+    tokenizer = AutoTokenizer.from_pretrained(f"{demo_dir}/model")
+    engine = HFRollout(f"{demo_dir}/model", tokenizer, torch.device("cpu"))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3? Answer with #### and the number."}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    stops, _ = engine.generate([prompt] * 2, Sampling(max_tokens=12, do_sample=False), seed=0)
+    runs_on, _ = engine.generate([prompt] * 2, Sampling(max_tokens=12, do_sample=False, ignore_eos=True), seed=0)
+    assert all(len(tokens) < 12 and tokens[-1] in engine.eos_ids for tokens in stops)
+    assert all(len(tokens) == 12 for tokens in runs_on)

@@ -38,7 +38,8 @@ def e2e_run(demo_dir, tmp_path_factory):
                    "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
                    "trainer.logger=[console,tensorboard]", "data.train_batch_size=4",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
-                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3")
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+                   f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/validation")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"dir": out, "rows": rows, "stdout": run.stdout, "demo": demo_dir}
 
@@ -71,6 +72,22 @@ def test_tensorboard_events_read_back(e2e_run):
     logged = [event.value for event in acc.Scalars("critic/score/mean")]
     expected = [r["critic/score/mean"] for r in e2e_run["rows"][1:]]
     assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_generation_dumps_hold_each_response_with_its_score(e2e_run):
+    """trainer.rollout_data_dir / validation_data_dir: <step>.jsonl with input, output, score; each score agrees
+    with the demo rule applied here to the dumped text (1.0 right '#### a+b', 0.1 other number, 0 none)."""
+    import re
+    for folder, steps, rows in (("rollouts", [1, 2, 3], 16), ("validation", [0, 3], 100)):
+        assert sorted(int(p.stem) for p in (e2e_run["dir"] / folder).glob("*.jsonl")) == steps
+        for step in steps:
+            lines = [json.loads(line) for line in (e2e_run["dir"] / folder / f"{step}.jsonl").read_text().splitlines()]
+            assert len(lines) == rows and all(line["step"] == step for line in lines)
+            for line in lines:
+                a, b = map(int, re.search(r"What is (\d) \+ (\d)\?", line["input"]).groups())
+                answers = re.findall(r"#### (\-?[0-9\.\,]+)", line["output"])
+                expected = 0.0 if not answers else (1.0 if answers[-1] == str(a + b) else 0.1)
+                assert line["score"] == pytest.approx(expected), line
 
 
 def test_rank0_alone_logs(e2e_run):
