@@ -1,0 +1,40 @@
+"""The Tracker: metrics.jsonl always, TensorBoard and wandb (offline) when asked; a resumed run keeps each step once."""
+import json
+from pathlib import Path
+
+from config import load_config
+from minirl import Tracker
+
+ROOT_CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def tracker(tmp_path, loggers, start_step=0):
+    cfg = load_config(ROOT_CONFIG, [f"af_output_dir={tmp_path}", f"trainer.logger={loggers}"], check_paths=False)
+    return Tracker(cfg, enabled=True, start_step=start_step)
+
+
+def test_wandb_logs_offline_with_the_step(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = tracker(tmp_path, "[wandb]")
+    t.log({"critic/score/mean": 0.25, "actor/pg_loss": -1.5}, step=1)
+    t.log({"critic/score/mean": 0.5}, step=2)          # wandb commits step 1 when step 2 starts
+    summary = dict(t.wandb.summary)
+    t.close()
+    assert summary["_step"] == 1 and summary["critic/score/mean"] == 0.25 and summary["actor/pg_loss"] == -1.5
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1          # offline: nothing left the machine
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "critic/score/mean": 0.25, "actor/pg_loss": -1.5},
+                    {"step": 2, "critic/score/mean": 0.5}]
+
+
+def test_resume_drops_rows_logged_after_the_checkpoint(tmp_path):
+    t = tracker(tmp_path, "[console]")
+    for step in (1, 2, 3):
+        t.log({"x": float(step)}, step=step)
+    t.close()
+    t = tracker(tmp_path, "[console]", start_step=2)      # resumed from global_step_2: step 3 is trained again
+    t.log({"x": 30.0}, step=3)
+    t.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}, {"step": 3, "x": 30.0}]
