@@ -20,7 +20,7 @@ import torch
 
 import checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from launch import ROOT, launch_env, torchrun_cmd
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
@@ -34,12 +34,7 @@ def run_overrides(demo_dir, data_file, out, *extra):
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]", *extra]
 
 
-def torchrun_cmd(nproc, script, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(script), *map(str, args)]
-
-
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+ENV = launch_env()
 
 
 def run(cmd, expect_rc=0, timeout=300):

@@ -1,8 +1,5 @@
 """PPO: a learned critic with GAE, a reward model, and KL in the reward, through the real trainer (torchrun)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,17 +8,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import losses
 from data import build_tiny_model
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(nproc, *args, timeout=600):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29900 + os.getpid() % 90), *map(str, args)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
+from launch import ROOT, torchrun
 
 
 @pytest.fixture(scope="module")

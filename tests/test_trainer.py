@@ -2,26 +2,12 @@
 promise: one update on a fixed batch gives the same gradients and weights whatever the micro-batching, world
 size, remove-padding, dynamic batch size or gradient checkpointing."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(nproc, *args, timeout=600, expect_ok=True):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29600 + os.getpid() % 300), *map(str, args)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if expect_ok:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
+from launch import ROOT, torchrun
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,36 +4,21 @@ TP=1 and TP=2, GRPO end to end with training/rollout_probs_diff_*, and the clear
 """
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from config import ConfigError, load_config
+from launch import ROOT, torchrun
+from rollout import VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, vllm_engine_kwargs
 from test_trainer import VERL_NAMES
 
-from rollout import VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, vllm_engine_kwargs
-
-ROOT = Path(__file__).resolve().parents[1]
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed: run `bash setup.sh`")
 
 PROBS_DIFF = ["training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std"]
-
-
-def torchrun(nproc, *args, timeout=600):
-    """Launch with vLLM's temporary/cache folders left to the run (no inherited TMPDIR etc.)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29900 + os.getpid() % 90), *map(str, args)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,30 @@
+"""Launching minirl (or a probe script) under real torchrun from tests: one helper for every test file."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# vLLM puts its temporary and cache files under the run's folder unless these are inherited
+RUN_SCOPED = ("TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def torchrun_cmd(nproc, *args):
+    """torchrun on a free local port (--standalone), so concurrent or back-to-back launches never collide."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            *map(str, args)]
+
+
+def launch_env():
+    env = {k: v for k, v in os.environ.items() if k not in RUN_SCOPED}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def torchrun(nproc, *args, timeout=600, expect_ok=True):
+    """Run to completion in the repo root; with expect_ok, fail the test with the output's tail on error."""
+    out = subprocess.run(torchrun_cmd(nproc, *args), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                         timeout=timeout)
+    if expect_ok:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
