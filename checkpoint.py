@@ -1,6 +1,6 @@
 """Checkpoints: save, resume, validate, prune, and export to Hugging Face format.
 
-The trainer calls two functions (a "role" is a trained model: the actor, later the critic; any object with
+The trainer calls two functions (a "role" is a trained model: the actor and, for PPO, the critic; any object with
 .model (FSDP2), .optimizer, .scheduler, .checkpoint_counters() and .load_checkpoint_counters(dict)):
 
     step = checkpoint.resume(cfg, {"actor": actor}, loader)      # in Trainer.__init__: 0 when starting fresh

@@ -168,5 +168,16 @@ def test_every_critic_free_estimator_trains(demo_dir, tmp_path, estimator):
              "trainer.logger=[console]")
     row = metric_rows(out / "metrics.jsonl")[1]
     assert all(k in row for k in ("actor/pg_loss", "critic/advantages/mean", "actor/grad_norm"))
-    assert ("timing_s/gen_max" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])) == (
-        estimator == "remax")
+    timings = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert ("timing_s/gen_max" in timings) == (estimator == "remax")
+    # no KL loss and no KL in the reward: no reference model is built, no critic either
+    assert "timing_s/ref" not in timings and "timing_s/values" not in timings
+
+
+def test_critic_warmup_holds_the_actor_back(demo_dir, ppo_models, tmp_path):
+    """verl's rule: the actor updates once critic_warmup <= global step; with 2, step 1 trains the critic only."""
+    torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", *base_overrides(demo_dir, tmp_path, 2),
+             f"critic.model.path={ppo_models}/critic", "trainer.critic_warmup=2", "trainer.logger=[console]")
+    rows = metric_rows(tmp_path / "metrics.jsonl")
+    assert "critic/vf_loss" in rows[1] and "actor/pg_loss" not in rows[1]
+    assert "critic/vf_loss" in rows[2] and "actor/pg_loss" in rows[2]
