@@ -513,11 +513,7 @@ class Trainer:
         scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
             self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores)
-        sources = batch[self.cfg.data.reward_fn_key][:total]
-        metrics = {}
-        for source in sorted(set(sources)):
-            values = [s for s, d in zip(scores, sources) if d == source]
-            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(values))
+        metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key][:total], n)
         lengths = batch["response_mask"][:total].sum(-1).float()
         metrics["val-aux/response_length/mean"] = float(lengths.mean())
         return metrics
@@ -590,6 +586,24 @@ class Trainer:
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def validation_metrics(scores, sources, n):
+    """Per data_source: val-core/<source>/reward/mean@n; with n > 1 also best@n/mean (the mean over prompts of the
+    best of its n scores), worst@n/mean and std@n (the mean over prompts of the spread of its n scores).
+    `scores`/`sources` hold n consecutive entries per prompt. verl estimates best/worst@n by bootstrap; these are
+    the exact values for the n samples drawn."""
+    per_prompt = np.asarray(scores, dtype=np.float64).reshape(-1, n)                 # [prompts, n]
+    prompt_sources = np.asarray(sources[::n])
+    metrics = {}
+    for source in sorted(set(prompt_sources)):
+        group = per_prompt[prompt_sources == source]
+        metrics[f"val-core/{source}/reward/mean@{n}"] = float(group.mean())
+        if n > 1:
+            metrics[f"val-core/{source}/reward/best@{n}/mean"] = float(group.max(axis=1).mean())
+            metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(group.min(axis=1).mean())
+            metrics[f"val-aux/{source}/reward/std@{n}"] = float(group.std(axis=1).mean())
+    return metrics
 
 
 def seqlen_metrics(lengths, parts):

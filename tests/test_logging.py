@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 from config import load_config
-from minirl import Tracker
+from minirl import Tracker, validation_metrics
 
 ROOT_CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
@@ -38,3 +38,17 @@ def test_resume_drops_rows_logged_after_the_checkpoint(tmp_path):
     t.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}, {"step": 3, "x": 30.0}]
+
+
+def test_validation_metrics_by_hand():
+    # source a: prompt 1 scores (1, 0), prompt 2 (0, 0); source b: prompt 3 (1, 1)
+    scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    sources = ["a", "a", "a", "a", "b", "b"]
+    m = validation_metrics(scores, sources, n=2)
+    assert m["val-core/a/reward/mean@2"] == 0.25                  # (1+0+0+0)/4
+    assert m["val-core/a/reward/best@2/mean"] == 0.5              # (max(1,0) + max(0,0)) / 2
+    assert m["val-aux/a/reward/worst@2/mean"] == 0.0
+    assert m["val-aux/a/reward/std@2"] == 0.25                    # (std(1,0)=0.5 + std(0,0)=0) / 2
+    assert m["val-core/b/reward/mean@2"] == 1.0 and m["val-aux/b/reward/std@2"] == 0.0
+    assert validation_metrics([0.5, 1.0], ["a", "b"], n=1) == {"val-core/a/reward/mean@1": 0.5,
+                                                               "val-core/b/reward/mean@1": 1.0}
