@@ -128,7 +128,8 @@ def local_path(path, cache_dir, filesystem=None):
         except OSError as err:
             raise RuntimeError(f"cannot open '{path}': pyarrow's HadoopFileSystem needs libhdfs (set HADOOP_HOME "
                                f"and ARROW_LIBHDFS_DIR, and CLASSPATH from `hadoop classpath --glob`), or copy "
-                               f"the files to a local path and point the config there. ({str(err).splitlines()[0]})") from err
+                               f"the files to a local path and point the config there. "
+                               f"({str(err).splitlines()[0]})") from err
     else:
         remote = str(path).replace("hdfs://", "", 1)
     target = Path(cache_dir) / hashlib.sha256(str(path).encode()).hexdigest()[:16] / Path(remote).name
@@ -147,17 +148,21 @@ def local_path(path, cache_dir, filesystem=None):
 
 
 def resolve_paths(cfg):
-    """Replace every hdfs:// model and data path of the config by its local copy."""
+    """Replace every hdfs:// model and data path of the config by its local copy; errors name the key."""
     cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
-    data, arr = cfg.data, cfg.actor_rollout_ref
-    files = lambda value: [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
-    data.train_files = files(data.train_files)
-    if data.val_files:
-        data.val_files = files(data.val_files)
-    arr.model.path = local_path(arr.model.path, cache)
-    for section in (cfg.critic.model, cfg.reward_model.model):
-        if section.path:
-            section.path = local_path(section.path, cache)
+    for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
+                   "reward_model.model.path"):
+        *parents, key = dotted.split(".")
+        section = cfg
+        for part in parents:
+            section = section[part]
+        value = section[key]
+        if not value:
+            continue
+        try:
+            section[key] = [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
+        except (RuntimeError, OSError) as err:
+            raise ConfigError(f"'{dotted}': {err}") from err
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from minirl import local_path, pick_device
+from config import load_config
+from minirl import local_path, pick_device, resolve_paths
 
 
 def test_hdfs_folder_copy_is_complete_and_cached(tmp_path):
@@ -61,3 +62,18 @@ def test_device_helper_on_a_cpu_host():
     assert pick_device("cpu") == ("cpu", "gloo")
     with pytest.raises(ValueError, match="trainer.device=cuda but no cuda device"):
         pick_device("cuda")
+
+
+def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
+    try:
+        pafs.FileSystem.from_uri("hdfs://namenode:9000/x")
+    except OSError:
+        pass
+    else:
+        pytest.skip("this machine has a working libhdfs")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml",
+                      [f"af_output_dir={tmp_path}", "critic.model.path=hdfs://namenode:9000/models/critic"],
+                      check_paths=False)
+    with pytest.raises(ValueError, match=r"'critic.model.path': cannot open 'hdfs://namenode:9000/models/critic'.*"
+                                         r"libhdfs"):
+        resolve_paths(cfg)
