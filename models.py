@@ -14,6 +14,7 @@ the same collectives).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -231,6 +232,9 @@ def dynamic_micro_batches(lengths, max_tokens, device="cpu"):
 # Workers: an FSDP2 model on this rank with its micro-batching; trained ones add AdamW, the LR schedule, clipping
 
 
+ENTROPY_CHUNK_ROWS = 2048
+
+
 def lr_lambda(optim_cfg, total_steps):
     """verl's schedule: linear warmup, then constant or cosine (down to min_lr_ratio)."""
     warmup = (optim_cfg.lr_warmup_steps if optim_cfg.lr_warmup_steps >= 0
@@ -330,9 +334,12 @@ class Policy(Worker):
         super().__init__(model, device, arr.model.use_remove_padding, arr.actor.optim if trainable else None,
                          total_steps)
         self.cfg = cfg
-        self.kernels = None
+        entropy = entropy_from_logits
+        if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
+            entropy = functools.partial(entropy_from_logits, chunk_size=ENTROPY_CHUNK_ROWS)
+        self.kernels = (logprobs_from_logits, entropy)
         if arr.actor.use_torch_compile:         # verl compiles the log-prob/entropy kernels, not the model
-            self.kernels = (torch.compile(logprobs_from_logits), torch.compile(entropy_from_logits))
+            self.kernels = tuple(torch.compile(kernel) for kernel in self.kernels)
 
     def forward(self, micro, temperature, calc_entropy=False):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,

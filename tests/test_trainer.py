@@ -154,6 +154,8 @@ VARIANTS = {
     "checkpointing": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
                      "actor_rollout_ref.model.enable_gradient_checkpointing=true",
     "compiled": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8,actor_rollout_ref.actor.use_torch_compile=true",
+    "entropy_chunks": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8,"
+                      "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
 }
 
 
