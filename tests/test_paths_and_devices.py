@@ -43,13 +43,19 @@ def test_local_paths_pass_through(tmp_path):
     assert local_path("/data/train.parquet", tmp_path) == "/data/train.parquet"
 
 
-def test_hdfs_without_libhdfs_is_a_clear_error(tmp_path):
+def has_libhdfs():
     try:
         pafs.FileSystem.from_uri("hdfs://namenode:9000/x")
     except OSError:
-        pass
-    else:
-        pytest.skip("this machine has a working libhdfs")
+        return False
+    return True
+
+
+needs_no_libhdfs = pytest.mark.skipif(has_libhdfs(), reason="this machine has a working libhdfs")
+
+
+@needs_no_libhdfs
+def test_hdfs_without_libhdfs_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="libhdfs.*HADOOP_HOME"):
         local_path("hdfs://namenode:9000/models/qwen", tmp_path)
 
@@ -64,13 +70,8 @@ def test_device_helper_on_a_cpu_host():
         pick_device("cuda")
 
 
+@needs_no_libhdfs
 def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
-    try:
-        pafs.FileSystem.from_uri("hdfs://namenode:9000/x")
-    except OSError:
-        pass
-    else:
-        pytest.skip("this machine has a working libhdfs")
     cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml",
                       [f"af_output_dir={tmp_path}", "critic.model.path=hdfs://namenode:9000/models/critic"],
                       check_paths=False)
