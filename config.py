@@ -10,7 +10,8 @@ Merge order: DEFAULTS, then the yaml, then CLI overrides `a.b.c=value` (with or 
     cfg = load_config("config.yaml", ["data.train_batch_size=64"], world_size=2)
     cfg.actor_rollout_ref.actor.ppo_mini_batch_size   # attribute access, verl's names
 
-Every error names the key and the fix, and is raised as ConfigError before anything heavy is imported.
+Every error names the key and the fix, and is raised as ConfigError before any model loads. The valid choices
+of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import os
 from pathlib import Path
 
 import yaml
+
+from data import TRUNCATION_MODES
+from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES
 
 ANY = object()  # marks a free-form dict: any keys pass through (e.g. engine_kwargs.vllm)
 
@@ -144,21 +148,17 @@ OPTIONAL_TYPES = {
     "actor_rollout_ref.rollout.multi_turn.max_user_turns": int,
 }
 
-ADV_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
-                  "grpo_passk", "gpg")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "mse+", "k3+", "low_var_kl+")
 CHOICES = {
-    "data.truncation": ("error", "left", "right", "middle"),
-    "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                              "seq-mean-token-sum-norm"),
-    "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
+    "data.truncation": TRUNCATION_MODES,
+    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor_rollout_ref.actor.kl_loss_type": KL_PENALTY_KINDS,
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla",),
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
     "actor_rollout_ref.rollout.mode": ("sync", "async"),
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
-    "algorithm.kl_penalty": KL_TYPES,
+    "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
+    "algorithm.kl_penalty": KL_PENALTY_KINDS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
