@@ -326,7 +326,7 @@ class Trainer:
                               chat_template=arr.model.custom_chat_template)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
-        for dataset in (self.train_set, self.val_set or self.train_set):
+        for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
             dataset.check_prompt_lengths()
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
         if len(self.loader) == 0:

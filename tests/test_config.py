@@ -118,6 +118,8 @@ def test_unknown_override_key(paths):
     ("data.train_batch_size=abc", r"'data.train_batch_size' must be int, got 'abc'"),
     ("actor_rollout_ref.actor.use_kl_loss=3", r"'actor_rollout_ref.actor.use_kl_loss' must be bool"),
     ("actor_rollout_ref.actor.optim.lr=[1]", r"'actor_rollout_ref.actor.optim.lr' must be float"),
+    ("critic.ppo_micro_batch_size_per_gpu=two", r"'critic.ppo_micro_batch_size_per_gpu' must be int, got 'two'"),
+    ("reward_model.micro_batch_size_per_gpu=1.5", r"'reward_model.micro_batch_size_per_gpu' must be int"),
 ])
 def test_wrong_type(paths, override, pattern):
     with pytest.raises(ConfigError, match=pattern):
