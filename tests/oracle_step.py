@@ -48,6 +48,7 @@ def main(batch_path, out_path, model_dir, *variants):
         results[name] = {"grads": grads, "weights": weights, "metrics": metrics}
     if rank == 0:
         torch.save(results, out_path)
+    torch.distributed.barrier()           # no rank tears gloo down while another still uses it
     torch.distributed.destroy_process_group()
 
 
