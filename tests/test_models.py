@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models import balanced_partitions, dynamic_micro_batches, fixed_micro_batches, token_logprobs
+from batch import balanced_partitions
+from models import dynamic_micro_batches, fixed_micro_batches, token_logprobs
 from rollout import response_mask_from_eos, responses_to_batch
 
 
