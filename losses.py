@@ -100,12 +100,13 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Advantage estimators. Every one takes the same keyword inputs (those of compute_advantages), uses those its formula names
-# and ignores the rest (**_), and returns (advantages [B, R], returns [B, R]) without autograd, as verl:
+# Advantage estimators. Every one takes the same keyword inputs (those of compute_advantages), uses those its
+# formula names and ignores the rest (**_), and returns (advantages [B, R], returns [B, R]) without autograd, as verl:
 #     token_rewards [B, R], mask [B, R], group_ids [B] (verl's "uid", one per prompt), values [B, R] (critic),
 #     baselines [B] (ReMax's greedy reward), gamma, lam, norm_adv_by_std_in_grpo
 # Outcome estimators use the scores s = token_rewards.sum(-1) [B]; responses sharing a group id form a group.
 # Group statistics are vectorised with a dense group index and index_add.
+
 
 def _group_index(group_ids: GroupIds, batch_size: int, device) -> tuple[Tensor, int]:
     """Dense group index [B] in 0..G-1 and G, from uids (list/np.array of str or int) or an integer tensor."""
@@ -391,20 +392,18 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
 #
 # verl v0.5.0 normalises each micro-batch's loss by that micro-batch's own tokens (or sequences) and divides by the
 # number of micro-batches, so the gradient changes with the micro-batch size, dynamic batching and the world size.
-# minirl normalises over the whole mini-batch instead. The trainer counts the mini-batch's tokens and non-empty
-# sequences on all ranks (global_counts, all-reduced: the `global_tokens`/`global_seqs` arguments below), and each
-# micro-batch's loss is its SHARE of the mini-batch loss: Σ over micro-batches and ranks of the shares = the loss
-# written over the whole mini-batch at once. Each rank backpropagates share × dp, because FSDP averages gradients
-# over the dp ranks: the sum of the shares' gradients is then exactly the gradient of the mini-batch loss.
-# Without global counts, agg_loss gives verl v0.5.0's per-micro-batch formula.
+# minirl normalises over the whole mini-batch: the trainer counts its tokens and non-empty sequences on all ranks
+# (global_counts, all-reduced: the `global_tokens`/`global_seqs` arguments below) and each micro-batch's loss is
+# its SHARE of the mini-batch loss (the shares over micro-batches and ranks sum to the loss written over the whole
+# mini-batch at once). Each rank backpropagates share × dp because FSDP averages gradients over the dp ranks, so
+# the gradient is exactly that of the mini-batch loss. Without global counts: verl v0.5.0's per-batch formula.
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def global_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(tokens, seqs) of a (local) mask as int64 0-dim tensors: tokens = number of mask entries ≠ 0, seqs = number
-    of rows with at least one such entry. The trainer sums them over all micro-batches and ranks of a mini-batch
-    (all-reduce) and passes them to agg_loss as global_tokens / global_seqs. The mask must be 0/1."""
+    """(tokens, seqs) of a 0/1 mask as int64 0-dim tensors: entries ≠ 0, and rows with at least one. Summed over
+    a mini-batch's micro-batches and ranks they are agg_loss's global_tokens / global_seqs."""
     nonzero = mask != 0  # [B, R]
     return nonzero.sum(), nonzero.any(-1).sum()
 
@@ -430,9 +429,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_tokens=None, glob
         seq-mean-token-sum       mean_i Σ_t L·m
         seq-mean-token-mean      mean_i (Σ_t L·m / Σ_t m)          (a fully masked row gives NaN)
         seq-mean-token-sum-norm  Σ_i Σ_t L·m / (norm_len or R)     (SUMS over rows, R = mask.shape[-1])
-    With global counts (global_tokens = Σ m, global_seqs = #non-empty rows, both over the whole mini-batch: all
-    micro-batches and ranks, see global_counts): this micro-batch's SHARE of the mini-batch loss, so the shares sum
-    to exactly the full-batch loss:
+    With global counts (global_counts of the whole mini-batch, all micro-batches and ranks): this micro-batch's
+    SHARE of the mini-batch loss (the shares sum to exactly the full-batch loss):
         token-mean               Σ L·m / global_tokens
         seq-mean-token-sum       Σ_i Σ_t L·m / global_seqs
         seq-mean-token-mean      Σ_{i non-empty} (Σ_t L·m / Σ_t m) / global_seqs   (empty rows contribute 0)

@@ -68,3 +68,31 @@ def gsm8k_dir():
     if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip(f"real GSM8K data not found at {GSM8K_DIR} (expected train.jsonl and test.jsonl there)")
     return GSM8K_DIR
+
+
+def padded_batch(prompt_lens, response_lens, P=6, R=5, vocab=300, seed=0):
+    """A rollout-shaped batch with left-padded prompts (P) and right-padded responses (R), pad id 0:
+    input_ids/attention_mask/position_ids [b, P+R], prompts [b, P], responses and response_mask [b, R]."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (len(prompt_lens), P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
+            "prompts": ids[:, :P], "responses": ids[:, P:], "response_mask": mask[:, P:]}
+
+
+def t(x, dtype=None):
+    """A float32 (or `dtype`) tensor from nested lists."""
+    import torch
+    return torch.tensor(x, dtype=dtype or torch.float32)
+
+
+def close(actual, expected, atol=1e-5, rtol=1e-5):
+    """assert_close in float32 (tensors, lists or numbers on either side)."""
+    import torch
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
