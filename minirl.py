@@ -443,7 +443,8 @@ class Trainer:
                     gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
                 local["advantages"], local["returns"] = batch["advantages"][mine], batch["returns"][mine]
 
-            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl)
+            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl); each is
+            #    models.Worker.optimize with losses.critic_loss / losses.actor_loss on every micro-batch
             if self.critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(self.critic.update(local, self.dp))

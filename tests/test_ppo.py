@@ -88,8 +88,8 @@ def test_trainer_advantages_equal_gae_on_the_same_tensors(ppo_one_rank):
     call = ppo_one_rank["compute_advantages"]
     kw = call["kwargs"]
     assert call["args"] == ("gae",)
-    expected_adv, expected_ret = losses.gae_advantages(kw["token_rewards"], kw["values"], kw["mask"], gamma=1.0,
-                                                       lam=0.95)
+    expected_adv, expected_ret = losses.gae_advantages(token_rewards=kw["token_rewards"], values=kw["values"],
+                                                       mask=kw["mask"], gamma=1.0, lam=0.95)
     adv, ret = call["result"]
     assert torch.allclose(adv, expected_adv, atol=1e-6) and torch.allclose(ret, expected_ret, atol=1e-6)
     # the values are the critic's, computed before any update, zero outside the response mask
