@@ -2,8 +2,8 @@
 the actor's and the critic's losses, and KL controllers. Pure torch: no distributed calls, no config objects, no
 model. Left out: verl's other policy-loss modes (gspo, clip-cov, ...) and the whole-vocabulary KL ("full").
 
-Every function follows verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py at tag
-v0.5.0); each docstring gives the formula and verl's name.
+Every function follows verl's semantics (verl v0.5.0, verl/trainer/ppo/core_algos.py and
+verl/utils/torch_functional.py); each docstring gives the formula and verl's name.
 
 Shapes: B = responses, R = padded response length, V = vocabulary. `mask` is the response mask [B, R]
 (1 on trained tokens, 0 on padding and tool/user tokens).
