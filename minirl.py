@@ -48,8 +48,9 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import losses
-from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
-                    total_training_steps)
+from batch_plan import batch_plan, format_plan, total_training_steps
+from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
+                    to_verl)
 from data import PromptLoader, RLHFDataset, collate
 from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
                     take)
@@ -152,10 +153,8 @@ def resolve_paths(cfg):
     cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
     for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
                    "reward_model.model.path"):
-        *parents, key = dotted.split(".")
-        section = cfg
-        for part in parents:
-            section = section[part]
+        parent, key = dotted.rsplit(".", 1)
+        section = get_dotted(cfg, parent)
         value = section[key]
         if not value:
             continue
@@ -676,7 +675,10 @@ def parse_args(argv=None):
                                      epilog="Overrides: key.path=value, with or without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
-    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
+    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
+                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1)")
+    parser.add_argument("--to-verl", action="store_true",
+                        help="print verl's command line (python3 -m verl.trainer.main_ppo ...) for the resolved config")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
     parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
                         help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
@@ -685,8 +687,9 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def print_config(cfg, world_size):
+def print_config(cfg, world_size, source):
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(f"planning for world size {world_size} ({source})")
     plan = batch_plan(cfg, world_size)
     steps = None
     try:
@@ -710,11 +713,13 @@ def main(argv=None):
             print(f"checkpoint error: {err}", file=sys.stderr)
             return 2
         return 0
-    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, world_size=world_size)
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
         if args.print_config:
-            print_config(cfg, world_size)
+            print_config(cfg, *planning_world_size(cfg, args.world_size))
+            return 0
+        if args.to_verl:
+            print(to_verl(cfg), end="")
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             for warning in settings_without_effect(cfg):

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import DEFAULTS, ConfigError, batch_plan, load_config, settings_without_effect
+from batch_plan import batch_plan
+from config import DEFAULTS, ConfigError, load_config, settings_without_effect
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_TABLE = ROOT.parent / "shared" / "seed" / "parameters.md"
