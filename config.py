@@ -207,7 +207,9 @@ def parse_yaml(text, source):
                                   f"write a plain value (quote it to keep it a string)")
         tree = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source} is not valid yaml: {' '.join(str(err).split())}; "
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source} is not valid yaml: {getattr(err, 'problem', None) or err}{where}; "
                           f"quote values that hold yaml's special characters") from None
     _check_key_names(tree, source, [])
     return tree
@@ -253,12 +255,12 @@ def parse_override(text):
     source = f"override '{_cut(text, 80)}'"
     if len(text) > MAX_OVERRIDE_CHARS:
         raise ConfigError(f"{source} is {len(text)} characters long; the most is {MAX_OVERRIDE_CHARS}")
+    if text.strip().startswith("~"):
+        raise ConfigError(f"{source}: deleting a key (~key) is not supported; set it to its default instead")
     if "=" not in text:
         raise ConfigError(f"{source} must look like key.path=value (e.g. data.train_batch_size=64)")
     key, value = text.split("=", 1)
     key = key.strip()
-    if key.startswith("~"):
-        raise ConfigError(f"{source}: deleting a key (~key) is not supported; set it to its default instead")
     key = key.lstrip("+")
     parts = key.split(".")
     if parts[0] == "backend_config":
