@@ -32,8 +32,9 @@ import yaml
 
 from batch_plan import check_batch
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
+                         MAX_VALUES,
                          MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves, set_dotted)
-from verl_keys import NO_EFFECT, VERL_DEFAULTS
+from verl_keys import NO_EFFECT, VERL_DEFAULTS, VERL_UNDECLARED
 
 __all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect", "to_verl",
            "planning_world_size"]
@@ -172,7 +173,7 @@ def _normalise_shape(raw, source):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading yaml safely: bounded size and depth, no aliases, no tags, string keys
+# Reading yaml safely: bounded size, depth and expanded size; no tags; string keys
 
 def _cut(text, limit=200):
     return text if len(text) <= limit else text[:limit] + "..."
@@ -189,7 +190,7 @@ _NEST_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEn
 
 def parse_yaml(text, source):
     """yaml.safe_load(text) after a token scan (iterative, so it cannot recurse) that refuses nesting deeper than
-    MAX_DEPTH, anchors/aliases (alias bombs, self-references) and tags; then checks every key is a string."""
+    MAX_DEPTH and tags; then a bounded copy that refuses alias bombs, self-references and non-string keys."""
     depth = 0
     try:
         for token in yaml.scan(text):
@@ -199,9 +200,6 @@ def parse_yaml(text, source):
                     raise ConfigError(f"{source}: nested deeper than {MAX_DEPTH} levels; a config is a shallow tree")
             elif isinstance(token, _NEST_CLOSE):
                 depth -= 1
-            elif isinstance(token, (yaml.AnchorToken, yaml.AliasToken)):
-                raise ConfigError(f"{source}: yaml anchors and aliases (&{token.value}, *{token.value}) are not "
-                                  f"accepted; write the value out")
             elif isinstance(token, yaml.TagToken):
                 raise ConfigError(f"{source}: yaml tags ({''.join(token.value)}) are not accepted; "
                                   f"write a plain value (quote it to keep it a string)")
@@ -211,21 +209,32 @@ def parse_yaml(text, source):
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"{source} is not valid yaml: {getattr(err, 'problem', None) or err}{where}; "
                           f"quote values that hold yaml's special characters") from None
-    _check_key_names(tree, source, [])
-    return tree
+    return _plain_tree(tree, source, [], [MAX_VALUES], set())
 
 
-def _check_key_names(tree, source, path):
+def _plain_tree(tree, source, path, budget, ancestors):
+    """A copy of the loaded tree with aliases expanded, bounded in size and depth, every key a string."""
+    budget[0] -= 1
+    where = f" at '{'.'.join(map(str, path))}'" if path else ""
+    if budget[0] < 0:
+        raise ConfigError(f"{source}: more than {MAX_VALUES} values once its aliases are expanded (an alias bomb?)")
+    if len(path) > MAX_DEPTH:
+        raise ConfigError(f"{source}: nested deeper than {MAX_DEPTH} levels{where}; a config is a shallow tree")
+    if not isinstance(tree, (dict, list)):
+        return tree
+    if id(tree) in ancestors:
+        raise ConfigError(f"{source}: a value contains itself (an alias to its own anchor){where}")
+    ancestors.add(id(tree))
     if isinstance(tree, list):
-        for item in tree:
-            _check_key_names(item, source, path)
-    elif isinstance(tree, dict):
-        for key, value in tree.items():
+        plain = [_plain_tree(item, source, path + [i], budget, ancestors) for i, item in enumerate(tree)]
+    else:
+        for key in tree:
             if not isinstance(key, str):
-                where = f" under '{'.'.join(path)}'" if path else ""
                 raise ConfigError(f"{source}: key {_show(key)} ({type(key).__name__}){where} is not a name; "
                                   f"keys are verl's names (quote it if it is one)")
-            _check_key_names(value, source, path + [key])
+        plain = {key: _plain_tree(value, source, path + [key], budget, ancestors) for key, value in tree.items()}
+    ancestors.discard(id(tree))
+    return plain
 
 
 def read_config_file(path):
@@ -529,7 +538,7 @@ def planning_world_size(cfg, requested=None):
     return 1, "neither --world-size nor trainer.n_gpus_per_node is set"
 
 
-VERL_VALUES = {"trainer.device": ("cuda", "npu")}   # verl keys where minirl takes values verl does not
+VERL_REFUSES = {"trainer.device": ("auto", "cpu"), "trainer.n_gpus_per_node": (None,)}   # minirl's values only
 
 
 def _hydra_value(value):
@@ -552,24 +561,32 @@ def _hydra_value(value):
     return value if plain else json.dumps(value)
 
 
-def to_verl(cfg):
+def to_verl(cfg, world_size=None):
     """verl's command line for the resolved config (the seed's backend_config flattened): every verl key whose value
     differs from verl's default or minirl's, so that the line loads in both to this config; then a comment listing
-    the minirl-only settings it leaves out, in the same key=value form."""
+    the minirl-only settings it leaves out, in the same key=value form. `world_size` (--world-size) fills
+    trainer.n_gpus_per_node when it is null (torchrun decides in minirl; verl needs the number)."""
     defaults = _defaults()
     args, left_out = [], []
     for dotted in ALL_KEYS:
         value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
-        if dotted in MINIRL_ONLY or value not in VERL_VALUES.get(dotted, (value,)):
-            left_out.append(f"{dotted}={_hydra_value(value)}")
+        if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
+            value = world_size
+        if dotted in VERL_UNDECLARED:
+            if value != VERL_UNDECLARED[dotted] or value != get_dotted(defaults, dotted):
+                args.append(f"+{dotted}={_hydra_value(value)}")
+        elif dotted in MINIRL_ONLY or value in VERL_REFUSES.get(dotted, ()):
+            if value != get_dotted(defaults, dotted):     # loading the line in minirl gives the default back
+                left_out.append(f"{dotted}={_hydra_value(value)}")
         elif value == verl_default and value == get_dotted(defaults, dotted):
             continue
         elif isinstance(value, dict):     # free-form: one entry each; '+' adds a key verl's tree lacks
-            verl_default = verl_default or {}
+            verl_default, ours = verl_default or {}, get_dotted(defaults, dotted)
             args += [f"{'' if key in verl_default else '+'}{dotted}.{key}={_hydra_value(item)}"
-                     for key, item in value.items() if verl_default.get(key, _UNKNOWN) != item]
+                     for key, item in value.items()
+                     if verl_default.get(key, _UNKNOWN) != item or ours.get(key, _UNKNOWN) != item]
         else:
             args.append(f"{dotted}={_hydra_value(value)}")
     lines = ["python3 -m verl.trainer.main_ppo"] + [shlex.quote(arg) for arg in args]
-    return (" \\\n    ".join(lines) + "\n# minirl-only settings, left out: "
-            + " ".join(shlex.quote(item) for item in left_out) + "\n")
+    return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
+            "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")

@@ -5,6 +5,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
 
     torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
+    python minirl.py --config config.yaml --to-verl            # the same run as a verl command line
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
     python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
 
@@ -672,11 +673,13 @@ def plot(run_dir, out=None):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="Overrides: key.path=value, with or without 'backend_config.'")
+                                     epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
+                                            "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
     parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
-                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1)")
+                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1); with --to-verl: "
+                        "trainer.n_gpus_per_node when it is null")
     parser.add_argument("--to-verl", action="store_true",
                         help="print verl's command line (python3 -m verl.trainer.main_ppo ...) for the resolved config")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
@@ -719,7 +722,7 @@ def main(argv=None):
             print_config(cfg, *planning_world_size(cfg, args.world_size))
             return 0
         if args.to_verl:
-            print(to_verl(cfg), end="")
+            print(to_verl(cfg, args.world_size), end="")
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             for warning in settings_without_effect(cfg):

@@ -136,6 +136,12 @@ VERL_DEFAULTS = {
     "ray_init": {"num_cpus": None, "timeline_json_file": None},
 }
 
+# Keys verl v0.5.0 reads with a default although its yaml does not declare them (`config.get(key, default)`):
+# --to-verl passes them with Hydra's '+'.
+VERL_UNDECLARED = {"data.seed": 1,                            # RLHF sampler: data_config.get("seed", 1)
+                   "actor_rollout_ref.actor.optim.betas": [0.9, 0.999],   # fsdp_workers: optim_config.get("betas")
+                   "critic.optim.betas": [0.9, 0.999]}
+
 # Subtrees handed whole to a profiler, Ray or an engine: any keys inside load.
 FREE_FORM = (
     "actor_rollout_ref.actor.profiler", "actor_rollout_ref.ref.profiler", "actor_rollout_ref.rollout.profiler",
