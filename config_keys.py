@@ -204,6 +204,7 @@ SEED_SECTIONS = ("data", "actor_rollout_ref", "critic", "reward_model", "algorit
 MAX_CONFIG_BYTES = 1 << 20       # a config file larger than this is refused before it is parsed
 MAX_OVERRIDE_CHARS = 1 << 16
 MAX_DEPTH = 32                   # nesting levels of yaml mappings/lists accepted (verl's tree has 6)
+MAX_VALUES = 100_000             # values in a config once yaml aliases are expanded (verl's tree has ~400)
 
 
 class ConfigError(ValueError):
