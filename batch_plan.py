@@ -2,6 +2,8 @@
 ActorRolloutRefWorker.__init__ and CriticWorker.__init__): check_batch raises a ConfigError naming the keys where
 the sizes do not divide for a world size, batch_plan computes responses per rank, mini- and micro-batches.
 """
+import os
+
 from config_keys import ConfigError
 
 
@@ -30,12 +32,10 @@ def check_batch(cfg, world_size):
         raise ConfigError(f"world size {world_size} is not divisible by "
                           f"'actor_rollout_ref.actor.ulysses_sequence_parallel_size'={sp}")
     dp = _data_parallel(cfg, world_size)
-    if cfg.trainer.n_gpus_per_node not in (None, world_size):
-        raise ConfigError(f"'trainer.n_gpus_per_node'={cfg.trainer.n_gpus_per_node} but {world_size} processes "
-                          f"were started; set it to {world_size} or null (torchrun's --nproc_per_node decides)")
     if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
         raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
                           f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
+    _check_nodes(cfg, world_size)
     responses = data.train_batch_size * n
     if responses % world_size:
         raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "
@@ -78,6 +78,28 @@ def check_batch(cfg, world_size):
         _check_micro(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp, "reward_model.micro_batch_size")
         if _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp) is None and not rm.use_dynamic_bsz:
             raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
+
+
+def _check_nodes(cfg, world_size):
+    """trainer.nnodes x trainer.n_gpus_per_node processes (torchrun's --nnodes x --nproc_per_node), and vLLM's
+    tensor-parallel groups (consecutive ranks) inside one node."""
+    nnodes, per_node, tp = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout
+    if per_node is not None and nnodes * per_node != world_size:
+        raise ConfigError(f"'trainer.nnodes' x 'trainer.n_gpus_per_node' = {nnodes} x {per_node} but {world_size} "
+                          f"processes were started; set them to torchrun's --nnodes and --nproc_per_node (or "
+                          f"n_gpus_per_node=null: torchrun decides)")
+    if world_size % nnodes:
+        raise ConfigError(f"{world_size} processes cannot be spread evenly over 'trainer.nnodes'={nnodes} nodes")
+    node_size = per_node or world_size // nnodes
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and int(local) != node_size:
+        raise ConfigError(f"torchrun started {local} processes on this node, but trainer.nnodes={nnodes} over "
+                          f"{world_size} processes means {node_size} per node; set 'trainer.nnodes' to torchrun's "
+                          f"--nnodes")
+    if tp.name == "vllm" and node_size % tp.tensor_model_parallel_size:
+        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'={tp.tensor_model_parallel_size} "
+                          f"does not fit in one node of {node_size} processes; a vLLM tensor-parallel group must "
+                          f"stay inside a node")
 
 
 def _check_critic_batch(cfg, dp):

@@ -190,7 +190,6 @@ NOT_YET = {
     "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
-    "trainer.nnodes": (1, "multi-node training (minirl runs on one host)"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
     # verl algorithms minirl does not have
     "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla", "a policy loss other than vanilla PPO-clip"),

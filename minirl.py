@@ -313,7 +313,8 @@ class Trainer:
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
         if device_type == "cpu":        # share the cores between the ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))   # on this node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,

@@ -269,9 +269,23 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert "'actor_rollout_ref.actor.fsdp_config.forward_prefetch'=True" in warnings[1]
 
 
-def test_multi_node_is_refused(paths):
-    with pytest.raises(ConfigError, match="trainer.nnodes' enables multi-node training"):
-        load_config(write(paths, minimal(paths)), ["trainer.nnodes=2"], world_size=2)
+def test_nodes_must_multiply_to_the_world_size(paths):
+    cfg = load_config(write(paths, minimal(paths)), ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], world_size=2)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 1)
+    with pytest.raises(ConfigError, match=r"'trainer.nnodes' x 'trainer.n_gpus_per_node' = 2 x 2 but 2 processes"):
+        load_config(write(paths, minimal(paths)), ["trainer.nnodes=2", "trainer.n_gpus_per_node=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"3 processes cannot be spread evenly over 'trainer.nnodes'=2"):
+        load_config(write(paths, minimal(paths)), ["trainer.nnodes=2", "data.train_batch_size=6",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+                    world_size=3)
+
+
+def test_vllm_tensor_parallel_group_stays_inside_a_node(paths):
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size'=2 does not fit in one node of 1 processes"):
+        load_config(write(paths, minimal(paths)), ["trainer.nnodes=2", "actor_rollout_ref.rollout.name=vllm",
+                                                   "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+                    world_size=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
