@@ -1,5 +1,6 @@
-"""minirl's configuration: verl's key tree, its defaults and valid ranges, loading, overrides and every check that
-can run before a model is loaded.
+"""minirl's configuration: loading (safe yaml reading, the two shapes, overrides), deriving verl's inherited values,
+and every check that can run before a model is loaded; `--to-verl`. The key table (defaults, types, valid ranges,
+choices, refusals) is config_keys.py, verl's own tree verl_keys.py, the batch arithmetic batch_plan.py.
 
 Two yaml shapes load:
   * the seed's shape:  af_output_dir + backend_config.{data, actor_rollout_ref, critic, reward_model, algorithm,
@@ -32,12 +33,12 @@ import yaml
 
 from batch_plan import check_batch
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
-                         MAX_VALUES,
-                         MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves, set_dotted)
+                         MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
+                         set_dotted)
 from verl_keys import NO_EFFECT, VERL_DEFAULTS, VERL_UNDECLARED
 
 __all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect", "to_verl",
-           "planning_world_size"]
+           "planning_world_size"]     # DEFAULTS, ConfigError and get_dotted are config_keys', re-exported
 
 
 class Config(dict):
@@ -163,7 +164,8 @@ def _normalise_shape(raw, source):
         # the seed's position for verl's actor_rollout_ref.rollout.engine_kwargs
         if not isinstance(engine_kwargs, dict):
             raise ConfigError(f"{source}: 'engine_kwargs' must be a mapping like {{vllm: {{...}}}}")
-        rollout = tree.setdefault("actor_rollout_ref", {}).setdefault("rollout", {})
+        section = tree.setdefault("actor_rollout_ref", {})
+        rollout = section.setdefault("rollout", {}) if isinstance(section, dict) else None
         if not isinstance(rollout, dict):
             raise ConfigError(f"{source}: 'actor_rollout_ref.rollout' must be a mapping of keys")
         _deep_update(rollout.setdefault("engine_kwargs", {}), engine_kwargs)

@@ -4,7 +4,8 @@ import math
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+import yaml
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from config import ConfigError, get_dotted, load_config
@@ -112,6 +113,27 @@ def test_generated_overrides_load_in_range_or_raise_config_error(base, overrides
 def test_generated_config_files_load_or_raise_config_error(tmp_path, text):
     path = tmp_path / "generated.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    try:
+        load_config(path, [], check_paths=False)
+    except ConfigError:
+        pass
+
+
+NAMES = sorted({part for dotted, _ in leaves(SCHEMA) for part in dotted.split(".")}
+               | {"backend_config", "engine_kwargs", "vllm", "_target_"})
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=8))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(tree={"engine_kwargs": {"vllm": {}}, "actor_rollout_ref": 3})   # once a traceback
+@given(tree=st.dictionaries(st.sampled_from(["af_output_dir", "backend_config", "engine_kwargs", *SCHEMA]),
+                            st.recursive(SCALARS, lambda inner: st.one_of(
+                                st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(NAMES), inner, max_size=4)),
+                                max_leaves=20), max_size=5))
+def test_generated_trees_of_real_key_names_load_or_raise_config_error(tmp_path, tree):
+    """Shapes: real key names at wrong depths, sections holding scalars or lists, engine_kwargs anywhere."""
+    path = tmp_path / "tree.yaml"
+    path.write_text(yaml.safe_dump(tree))
     try:
         load_config(path, [], check_paths=False)
     except ConfigError:
