@@ -700,7 +700,7 @@ def print_config(cfg, world_size, source):
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
-    except (OSError, ImportError):
+    except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
     print(format_plan(plan, steps))
 
