@@ -39,7 +39,6 @@ def free(default=None):
 
 # Valid ranges, written once (interval notation; 'a or [..]' adds a special value).
 SIZE, COUNT, POSITIVE, UNIT, SEED = "[1, inf)", "[0, inf)", "(0, inf)", "[0, 1]", "[0, 4294967296)"
-SIZE_OR_NULL = SIZE                          # with null(int, ...): null or a size
 OFF_OR_SIZE, OFF_OR_COUNT = "-1 or [1, inf)", "-1 or [0, inf)"
 
 _FSDP_CONFIG = {"param_offload": False, "optimizer_offload": False, "offload_policy": False,
@@ -246,7 +245,9 @@ def _with_verl_keys(ours, verl, prefix=""):
 
 
 def _as_keys(tree):
-    return {k: _as_keys(v) if isinstance(v, dict) else v if isinstance(v, Key) else Key(v) for k, v in tree.items()}
+    """The table with every leaf a Key of its own (sections share Keys through _OPTIM and _FSDP_CONFIG)."""
+    return {k: _as_keys(v) if isinstance(v, dict) else copy.copy(v) if isinstance(v, Key) else Key(v)
+            for k, v in tree.items()}
 
 
 SCHEMA = _with_verl_keys(_as_keys(DEFAULTS), VERL_DEFAULTS)
@@ -262,6 +263,8 @@ def leaves(node=SCHEMA, prefix=""):
 
 
 ALL_KEYS = [dotted for dotted, _ in leaves()]
+
+
 def _is_verl_key(dotted):
     parent, _, last = dotted.rpartition(".")
     node = get_dotted(VERL_DEFAULTS, parent, missing=None) if parent else VERL_DEFAULTS

@@ -369,8 +369,9 @@ def test_null_where_verl_allows_null(paths):
     cfg = load_config(write(paths, minimal(paths)), ["critic.optim.min_lr_ratio=null", "trainer.profile_steps=null",
                                                      "reward_model.sandbox_fusion.url=null"], world_size=2)
     assert cfg.critic.optim.min_lr_ratio == 0.0          # verl's critic null: no floor under the cosine schedule
-    with pytest.raises(ConfigError, match="'actor_rollout_ref.actor.optim.lr' must be float, got None"):
-        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.optim.lr=null"], world_size=2)
+    for key in ("lr", "min_lr_ratio"):      # verl's actor optimizer allows no null (its critic's min_lr_ratio does)
+        with pytest.raises(ConfigError, match=f"'actor_rollout_ref.actor.optim.{key}' must be float, got None"):
+            load_config(write(paths, minimal(paths)), [f"actor_rollout_ref.actor.optim.{key}=null"], world_size=2)
 
 
 def test_verl_command_line_forms(paths):
