@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config import get_dotted
+
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -80,17 +82,10 @@ def _log(message):
         print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
 
 
-def _config_value(cfg, dotted):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def save_contents(cfg, role):
     """The role's checkpoint.save_contents, checked against what minirl can save."""
     dotted = ROLE_KEYS[role][0]
-    contents = list(_config_value(cfg, dotted))
+    contents = list(get_dotted(cfg, dotted))
     unknown = [c for c in contents if c not in CONTENTS]
     if unknown:
         raise CheckpointError(f"'{dotted}' has {unknown}; allowed: {list(CONTENTS)}")

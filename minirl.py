@@ -5,6 +5,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
 
     torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
+    python minirl.py --config config.yaml --to-verl            # the same run as a verl command line
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
     python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
 
@@ -51,8 +52,9 @@ import checkpoint
 import losses
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
-from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
-                    total_training_steps)
+from batch_plan import batch_plan, format_plan, total_training_steps
+from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
+                    to_verl)
 from data import PromptLoader, RLHFDataset, collate
 from models import Critic, Policy, RewardModel, full_state_dict_items
 from rewards import load_reward_fn, score_responses, token_level_scores
@@ -154,10 +156,8 @@ def resolve_paths(cfg):
     cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
     for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
                    "reward_model.model.path"):
-        *parents, key = dotted.split(".")
-        section = cfg
-        for part in parents:
-            section = section[part]
+        parent, key = dotted.rsplit(".", 1)
+        section = get_dotted(cfg, parent)
         value = section[key]
         if not value:
             continue
@@ -297,7 +297,8 @@ class Trainer:
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
         if device_type == "cpu":        # share the cores between the ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))   # on this node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
@@ -642,10 +643,15 @@ def plot(run_dir, out=None):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="Overrides: key.path=value, with or without 'backend_config.'")
+                                     epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
+                                            "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
-    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
+    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
+                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1); with --to-verl: "
+                        "trainer.n_gpus_per_node when it is null")
+    parser.add_argument("--to-verl", action="store_true",
+                        help="print verl's command line (python3 -m verl.trainer.main_ppo ...) for the resolved config")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
     parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
                         help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
@@ -654,15 +660,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def print_config(cfg, world_size):
+def print_config(cfg, world_size, source):
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(f"planning for world size {world_size} ({source})")
     plan = batch_plan(cfg, world_size)
     steps = None
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
-    except (OSError, ImportError):
+    except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
     print(format_plan(plan, steps))
 
@@ -679,11 +686,13 @@ def main(argv=None):
             print(f"checkpoint error: {err}", file=sys.stderr)
             return 2
         return 0
-    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, world_size=world_size)
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
         if args.print_config:
-            print_config(cfg, world_size)
+            print_config(cfg, *planning_world_size(cfg, args.world_size))
+            return 0
+        if args.to_verl:
+            print(to_verl(cfg, args.world_size), end="")
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             for warning in settings_without_effect(cfg):
