@@ -97,7 +97,7 @@ class RLHFDataset:
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
                  prompt_key="prompt", image_key="images", return_raw_chat=False, chat_template=None,
-                 processor=None):
+                 processor=None, reward_fn_key="data_source"):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if processor is not None:
@@ -112,6 +112,7 @@ class RLHFDataset:
         self.image_key = image_key
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
+        self.reward_fn_key = reward_fn_key
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
         self.rows, self.origins = [], []
         for path in _as_path_list(files):
@@ -170,6 +171,11 @@ class RLHFDataset:
     def __len__(self):
         return len(self.rows)
 
+    def where(self, i):
+        """"file, row N": where row i came from, for error messages (carried through the batch as `origin`)."""
+        path, row_number, _ = self.origins[i]
+        return f"{path}, row {row_number}"
+
     def check_prompt_lengths(self):
         """With truncation=error, fail now, naming the first overlong row, rather than in the middle of training."""
         if self.truncation != "error":
@@ -202,7 +208,10 @@ class RLHFDataset:
             "extra_info": row["extra_info"],
             "ability": row.get("ability"),
             "index": row["extra_info"].get("index", self.origins[i][2]),
+            "origin": self.where(i),
         }
+        if self.reward_fn_key in row:              # a data.reward_fn_key other than data_source travels too
+            item[self.reward_fn_key] = row[self.reward_fn_key]
         if self.return_raw_chat:
             item["raw_prompt"] = self._messages(row)
         if row.get(self.image_key):

@@ -47,13 +47,14 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import checkpoint
+import failures
 import losses
 from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
                     total_training_steps)
 from data import PromptLoader, RLHFDataset, collate
 from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
                     take)
-from rewards import load_reward_fn, score_responses, token_level_scores
+from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, gather_tp_groups, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def init_distributed(device_type, backend):
         device = torch.device(device_type, local_rank)
         getattr(torch, device_type).set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
+        failures.watch_parent()
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -323,7 +325,7 @@ class Trainer:
                               image_key=data.image_key,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template)
+                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -334,6 +336,9 @@ class Trainer:
                               f"({len(self.train_set)} prompts after filtering)")
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
+            rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
+            check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
@@ -386,7 +391,7 @@ class Trainer:
             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                    batch["extra_info"])
+                                    batch["extra_info"], batch["origin"])
         return torch.tensor(scores, dtype=torch.float32)
 
     # -- one training step ----------------------------------------------------------------------------------
@@ -583,8 +588,9 @@ class Trainer:
             + (" (trainer.resume_mode=auto resumes from it)" if last_good else ""))
 
     def close(self):
-        """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
-        process group, so it comes after the last collective."""
+        """After a successful run only (a failed one ends in failures.exit_now): flush the logs, wait for every
+        rank, then stop the rollout engine: vLLM's shutdown destroys the default process group, so it comes after
+        the last collective."""
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
@@ -720,26 +726,26 @@ def main(argv=None):
             for warning in settings_without_effect(cfg):
                 print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
+            print(f"config error: {err}", file=sys.stderr)
         return 2
+    return train(cfg)
+
+
+def train(cfg):
+    """Set up and train. Any failure on any rank (an exception, Ctrl-C) is printed once and ends this process
+    at once, without the closing barrier the other ranks would never reach (failures.py); torchrun then stops
+    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted."""
+    known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
+    trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as err:       # bad data or model files, found while setting up
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except checkpoint.CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
-    try:
+        expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
-    except TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    finally:
-        trainer.close()
+    except BaseException as err:                                    # noqa: B036 (Ctrl-C too)
+        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+        return failures.exit_now(failures.report(err, rank, expected))
+    trainer.close()
     return 0
 
 
