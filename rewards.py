@@ -456,9 +456,10 @@ def check_rows(fn, rows, reward_fn_key="data_source"):
 
 
 @contextmanager
-def stall_warnings(fn_name, limit_s=STALL_WARNING_S):
+def stall_warnings(fn_name, limit_s=None):
     """Yields a dict to fill with {"where": ..., "since": time.monotonic()} before each call (None after it); a
     watcher thread prints a warning naming the function and the row when one call runs past limit_s."""
+    limit_s = STALL_WARNING_S if limit_s is None else limit_s
     current, done = {"where": None, "since": 0.0}, threading.Event()
 
     def watch():

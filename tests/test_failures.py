@@ -2,6 +2,7 @@
 function that raises on rank 1 only, Ctrl-C (SIGINT) to one worker, and a SIGKILLed torchrun whose workers must
 not outlive it. Each run is bounded by a subprocess timeout: before failures.py the first two hung forever."""
 import os
+import re
 import signal
 import subprocess
 import time
@@ -64,12 +65,18 @@ def wait_for(paths, timeout=BOUND_S):
 
 
 def test_a_reward_function_raising_on_one_rank_ends_every_rank_once(demo_dir, tmp_path):
-    proc = start(demo_dir, tmp_path, '    if rank == 1:\n        raise ValueError("scorer broke on rank " + str(rank))')
-    code, output = finish(proc)
+    """...with the user's traceback once and minirl's summary naming the dataset file and row: the row named is
+    the one the function was called on (the demo's extra_info.index is the row's position in its file)."""
+    body = ('    if rank == 1:\n'
+            '        raise ValueError("scorer broke on rank " + str(rank) + " at index " + str(extra_info["index"]))')
+    code, output = finish(start(demo_dir, tmp_path, body))
     assert code != 0
     assert output.count("ValueError: scorer broke on rank 1") == 1, output[-4000:]
     assert output.count("reward.py\", line") == 1, output[-4000:]        # the user's traceback, once
-    assert "error: rank 1" in output
+    summary = re.search(r"error: rank 1: reward function compute_score raised ValueError on (\S+), row (\d+) "
+                        r"\(data_source='minirl/add'.*at index (\d+)", output)
+    assert summary, output[-4000:]
+    assert summary.group(1) == f"{demo_dir}/data/train.parquet" and summary.group(2) == summary.group(3)
 
 
 def test_sigint_to_one_worker_ends_every_rank(demo_dir, tmp_path):
