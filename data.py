@@ -110,15 +110,22 @@ class RLHFDataset:
             self._drop_overlong_prompts()
 
     def _read_file(self, path):
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"data file {path} does not exist")
-        table = pq.read_table(path)
+        if not path.is_file():
+            raise ValueError(f"data file {path} is not a regular file; point the config at a .parquet file")
+        try:
+            table = pq.read_table(path)
+            rows = table.to_pylist()
+        except Exception as err:      # whatever the parquet reader trips on: a damaged or non-parquet file
+            detail = (str(err).splitlines() or [""])[0][:200]
+            raise ValueError(f"data file {path} cannot be read as parquet ({type(err).__name__}: {detail}); it is "
+                             f"damaged, unreadable or not a parquet file: re-create or re-download it") from err
         for column in (self.prompt_key, *REQUIRED_COLUMNS):
             if column not in table.column_names:
                 raise ValueError(f"{path}: column {column!r} is missing (columns: {table.column_names}); "
                                  f"preprocess the data into verl format (see `python data.py gsm8k`) or set "
                                  f"data.prompt_key to the column holding the chat messages")
-        rows = table.to_pylist()
         for row_number, row in enumerate(rows):
             self._check_row(row, path, row_number)
         return rows

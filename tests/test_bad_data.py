@@ -7,6 +7,8 @@ import re
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from data import RLHFDataset
@@ -130,3 +132,61 @@ def test_a_stalled_reward_call_is_reported_while_it_runs(monkeypatch, capfd):
     err = capfd.readouterr().err
     assert err.count("warning: reward function slow_scorer has been running for over 0 s on f.parquet, row 1") == 1
     assert "row 0" not in err and "row 2" not in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Damaged parquet files: generated corruptions of a small good file either load (and every row can be used) or
+# raise an error that names the file, nothing else
+
+
+GOOD_ROWS = demo_rows(6)
+
+corruption = st.one_of(
+    st.tuples(st.just("truncate"), st.floats(0, 1)),
+    st.tuples(st.just("overwrite"), st.floats(0, 1), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=16)),
+    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
+)
+
+
+def corrupt(data, corruptions):
+    data = bytearray(data)
+    for kind, where, *what in corruptions:
+        at = int(where * max(len(data) - 1, 0))
+        if kind == "truncate":
+            del data[at:]
+        elif kind == "overwrite":
+            data[at:at + len(what[0])] = what[0]
+        elif kind == "insert":
+            data[at:at] = what[0]
+        elif data:
+            data[at] ^= what[0]
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def good_parquet(tmp_path_factory):
+    path = tmp_path_factory.mktemp("parquet") / "good.parquet"
+    pq.write_table(pa.Table.from_pylist(GOOD_ROWS), path)
+    return path.read_bytes(), path.with_name("damaged.parquet")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(corruptions=st.lists(corruption, min_size=1, max_size=3))
+def test_a_damaged_parquet_loads_or_names_the_file(good_parquet, tokenizer, corruptions):
+    data, path = good_parquet
+    path.write_bytes(corrupt(data, corruptions))
+    try:
+        dataset = RLHFDataset(path, tokenizer, max_prompt_length=64, truncation="left")
+        items = [dataset[i] for i in range(len(dataset))]
+    except (ValueError, FileNotFoundError) as err:
+        assert str(err).startswith((f"data file {path} ", f"{path}, ", f"{path}: ")), err
+        return
+    assert all(item["origin"].startswith(f"{path}, row ") for item in items)
+
+
+def test_a_folder_or_missing_path_is_named(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=f"data file {tmp_path} is not a regular file"):
+        RLHFDataset(tmp_path, tokenizer, max_prompt_length=64)
+    with pytest.raises(FileNotFoundError, match=f"data file {tmp_path / 'nope.parquet'} does not exist"):
+        RLHFDataset(tmp_path / "nope.parquet", tokenizer, max_prompt_length=64)
