@@ -250,7 +250,8 @@ def drop_rows_after(path, step):
     not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    text = path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
     kept = []
     for number, line in enumerate(lines, 1):
         try:
@@ -261,7 +262,7 @@ def drop_rows_after(path, step):
             continue
         if keep:
             kept.append(line)
-    if len(kept) < len(lines) or not path.read_bytes().endswith(b"\n"):
+    if len(kept) < len(lines) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
@@ -752,7 +753,7 @@ def train(cfg):
         trainer = Trainer(cfg)
         expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
-    except BaseException as err:                                    # noqa: B036 (Ctrl-C too)
+    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
         rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         return failures.exit_now(failures.report(err, rank, expected))
     trainer.close()
