@@ -5,6 +5,7 @@ Hugging Face export, the non-finite guard, and clear errors for every kind of ba
 Every run trains on 8 prompts, 4 per step (so 2 steps per epoch), n=2, 8 response tokens, 5 steps, and saves
 every 2 steps and at the last: global_step_2 (the end of epoch 0), global_step_4, global_step_5.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -96,7 +97,11 @@ def test_layout_is_verls_and_old_checkpoints_are_pruned(run_a):
     assert set(extra["rng"]) >= {"python", "numpy", "torch"}
     assert extra["counters"] == {"skipped_steps": 0}
     manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["files"]["data.pt"] == (step / "data.pt").stat().st_size
+    on_disk = {str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert set(manifest["files"]) == on_disk                       # every file, each with its size and checksum
+    for name in ("data.pt", "actor/model_world_size_2_rank_1.pt", "actor/huggingface/model.safetensors"):
+        content = (step / name).read_bytes()
+        assert manifest["files"][name] == {"bytes": len(content), "blake2b": hashlib.blake2b(content).hexdigest()}
     assert not list(root.glob("*.incomplete"))
 
 
