@@ -49,6 +49,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import checkpoint
+import failures
 import losses
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
@@ -57,7 +58,7 @@ from config import (ConfigError, get_dotted, load_config, planning_world_size, s
                     to_verl)
 from data import PromptLoader, RLHFDataset, collate
 from models import Critic, Policy, RewardModel, full_state_dict_items
-from rewards import load_reward_fn, score_responses, token_level_scores
+from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -100,7 +101,8 @@ def init_distributed(device_type, backend):
         device = torch.device(device_type, local_rank)
         getattr(torch, device_type).set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
+        failures.watch_parent()
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -228,12 +230,23 @@ class Tracker:
 
 
 def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place)."""
+    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
+    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
-    if len(kept) < len(lines):
+    text = path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
+                  file=sys.stderr, flush=True)
+            continue
+        if keep:
+            kept.append(line)
+    if len(kept) < len(lines) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
@@ -308,7 +321,7 @@ class Trainer:
                               image_key=data.image_key,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template)
+                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -319,6 +332,9 @@ class Trainer:
                               f"({len(self.train_set)} prompts after filtering)")
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
+            rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
+            check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
@@ -370,7 +386,7 @@ class Trainer:
             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                    batch["extra_info"])
+                                    batch["extra_info"], batch["origin"])
         return torch.tensor(scores, dtype=torch.float32)
 
     # -- one training step ----------------------------------------------------------------------------------
@@ -562,8 +578,9 @@ class Trainer:
             + (" (trainer.resume_mode=auto resumes from it)" if last_good else ""))
 
     def close(self):
-        """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
-        process group, so it comes after the last collective."""
+        """After a successful run only (a failed one ends in failures.exit_now): flush the logs, wait for every
+        rank, then stop the rollout engine: vLLM's shutdown destroys the default process group, so it comes after
+        the last collective."""
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
@@ -698,26 +715,26 @@ def main(argv=None):
             for warning in settings_without_effect(cfg):
                 print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
+            print(f"config error: {err}", file=sys.stderr)
         return 2
+    return train(cfg)
+
+
+def train(cfg):
+    """Set up and train. Any failure on any rank (an exception, Ctrl-C) is printed once and ends this process
+    at once, without the closing barrier the other ranks would never reach (failures.py); torchrun then stops
+    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted."""
+    known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
+    trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as err:       # bad data or model files, found while setting up
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except checkpoint.CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
-    try:
+        expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
-    except TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    finally:
-        trainer.close()
+    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
+        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+        return failures.exit_now(failures.report(err, rank, expected))
+    trainer.close()
     return 0
 
 
