@@ -24,18 +24,22 @@ def _data_parallel(cfg, world_size):
 
 
 def check_batch(cfg, world_size):
-    """Raise ConfigError where the step's batch arithmetic for `world_size` ranks does not divide."""
+    """Raise ConfigError where the step's batch arithmetic for `world_size` ranks does not divide. With split
+    devices (rollout.n_gpus_per_node) `world_size` is all processes and the arithmetic is over the trainer ranks."""
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
     n, sp = rollout.n, actor.ulysses_sequence_parallel_size
+    if cfg.rollout.n_gpus_per_node:
+        world_size = check_split(cfg, world_size)
     if world_size % sp:
         raise ConfigError(f"world size {world_size} is not divisible by "
                           f"'actor_rollout_ref.actor.ulysses_sequence_parallel_size'={sp}")
     dp = _data_parallel(cfg, world_size)
-    if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
-        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
-                          f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
-    _check_nodes(cfg, world_size)
+    if not cfg.rollout.n_gpus_per_node:
+        if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
+            raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
+                              f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
+        _check_nodes(cfg, world_size)
     responses = data.train_batch_size * n
     if responses % world_size:
         raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "
@@ -102,6 +106,45 @@ def _check_nodes(cfg, world_size):
                           f"stay inside a node")
 
 
+# one-step-off-policy (offpolicy.py) supports the estimators verl's recipe does (GPG aside: minirl lacks it)
+SPLIT_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo")
+
+
+def check_split(cfg, world_size):
+    """Split devices: the first T of `world_size` processes train, the last R = rollout.n_gpus_per_node generate.
+    Raise ConfigError for an impossible split; return T."""
+    rollout, r, t_key = cfg.actor_rollout_ref.rollout, cfg.rollout.n_gpus_per_node, cfg.trainer.n_gpus_per_node
+    trainers = world_size - r if t_key is None else t_key
+    if cfg.trainer.nnodes != 1:
+        raise ConfigError(f"'trainer.nnodes'={cfg.trainer.nnodes}: split devices run on one host; set it to 1")
+    if trainers < 1 or trainers + r != world_size:
+        raise ConfigError(f"'trainer.n_gpus_per_node'={t_key} + 'rollout.n_gpus_per_node'={r} must equal the "
+                          f"{world_size} processes started (torchrun --nproc_per_node); the first ones train, the "
+                          f"last 'rollout.n_gpus_per_node' generate")
+    if rollout.name == "vllm" and r % rollout.tensor_model_parallel_size:
+        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
+                          f"{rollout.tensor_model_parallel_size} must divide 'rollout.n_gpus_per_node'={r} (vLLM's "
+                          f"tensor-parallel groups live inside the rollout ranks)")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and int(local) != world_size:
+        raise ConfigError(f"split devices run on one host, but torchrun started {local} of the {world_size} "
+                          f"processes here")
+    return trainers
+
+
+def check_split_keys(cfg):
+    """The split's settings that need no world size: hybrid_engine=false asks for a split, and the estimator."""
+    if not cfg.rollout.n_gpus_per_node:
+        if not cfg.actor_rollout_ref.hybrid_engine:
+            raise ConfigError("'actor_rollout_ref.hybrid_engine'=false asks for one-step-off-policy on split "
+                              "devices: set 'rollout.n_gpus_per_node' to the number of rollout ranks")
+        return
+    if cfg.algorithm.adv_estimator not in SPLIT_ESTIMATORS:
+        raise ConfigError(f"'algorithm.adv_estimator'={cfg.algorithm.adv_estimator} is not supported on split "
+                          f"devices (one-step-off-policy supports {', '.join(SPLIT_ESTIMATORS)}); choose one of "
+                          f"them or unset 'rollout.n_gpus_per_node' (colocated)")
+
+
 def _check_critic_batch(cfg, dp):
     """The critic's own mini/micro batches: ppo_mini_batch_size prompts x critic.rollout_n responses."""
     critic = cfg.critic
@@ -122,6 +165,11 @@ def _check_critic_batch(cfg, dp):
 def batch_plan(cfg, world_size):
     """The step's batch arithmetic for `world_size` ranks (after check_batch)."""
     check_batch(cfg, world_size)
+    split = {}
+    if cfg.rollout.n_gpus_per_node:
+        trainers = check_split(cfg, world_size)
+        split = {"trainer_ranks": trainers, "rollout_ranks": world_size - trainers}
+        world_size = trainers
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
     dp, n = _data_parallel(cfg, world_size), rollout.n
@@ -130,7 +178,7 @@ def batch_plan(cfg, world_size):
     micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
     mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
     plan = {
-        "world_size": world_size, "dp": dp, "responses_per_step": responses,
+        "world_size": world_size, **split, "dp": dp, "responses_per_step": responses,
         "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
         "responses_per_mini_batch_per_rank": mini_per_rank,
         "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
@@ -163,6 +211,9 @@ def total_training_steps(cfg, batches_per_epoch):
 def format_plan(plan, steps=None):
     lines = ["batch plan:",
              f"  world size {plan['world_size']} (data-parallel {plan['dp']})",
+             *([f"  split devices: ranks 0..{plan['trainer_ranks'] - 1} train, ranks {plan['trainer_ranks']}.."
+                f"{plan['trainer_ranks'] + plan['rollout_ranks'] - 1} generate one step ahead (one-step-off-policy)"]
+               if "trainer_ranks" in plan else []),
              f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
              f"per rank {plan['responses_per_rank']}",
              f"  mini-batches per step {plan['mini_batches_per_step']}, "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from batch_plan import check_batch
+from batch_plan import check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
                          MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
                          set_dotted)
@@ -445,6 +445,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    check_split_keys(cfg)
     if world_size:
         check_batch(cfg, world_size)
     if check_paths:
@@ -534,6 +535,10 @@ def planning_world_size(cfg, requested=None):
         return requested, "--world-size"
     if os.environ.get("WORLD_SIZE"):
         return int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE"
+    if cfg.trainer.n_gpus_per_node and cfg.rollout.n_gpus_per_node:
+        return (cfg.trainer.n_gpus_per_node + cfg.rollout.n_gpus_per_node,
+                f"trainer.n_gpus_per_node + rollout.n_gpus_per_node = {cfg.trainer.n_gpus_per_node} + "
+                f"{cfg.rollout.n_gpus_per_node}")
     if cfg.trainer.n_gpus_per_node:
         return (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
                 f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}")

@@ -185,8 +185,6 @@ NOT_YET = {
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
     "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
     "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
-    "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),
-    "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -51,6 +52,7 @@ from transformers import AutoTokenizer
 import checkpoint
 import failures
 import losses
+import offpolicy
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
@@ -305,8 +307,11 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         device_type, backend = pick_device(cfg.trainer.device)
+        # split devices (offpolicy.py): this process group holds the trainer ranks only; the bridge reaches the
+        # rollout ranks (trainer rank 0 only)
+        bridge = offpolicy.init_process_groups(cfg, backend) if offpolicy.rollout_ranks(cfg) else None
         self.rank, self.world_size, self.device = init_distributed(device_type, backend)
-        self.plan = batch_plan(cfg, self.world_size)
+        self.plan = batch_plan(cfg, self.world_size + offpolicy.rollout_ranks(cfg))
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
         if device_type == "cpu":        # share the cores between the ranks
@@ -342,10 +347,14 @@ class Trainer:
         self.critic = Critic(cfg, self.device, self.total_steps, len(self.tokenizer)) if use_critic else None
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        self.rollout = build_rollout(cfg, self.tokenizer, self.device)
+        # split devices: the rollout ranks generate, one step ahead; the pipeline stands in for the engine here
+        self.pipeline = offpolicy.Pipeline(self, bridge, self.seed_of) if offpolicy.rollout_ranks(cfg) else None
+        self.rollout = self.pipeline or build_rollout(cfg, self.tokenizer, self.device)
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
+        if self.pipeline is not None:
+            self.stateful["offpolicy"] = self.pipeline        # the generated batch a checkpoint takes with it
         self.global_step = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
         self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step)
 
@@ -354,12 +363,15 @@ class Trainer:
         """Generate for `batch` (the same full batch on every rank) and return the full rollout batch on every
         rank. The engine's TP groups (tp_size consecutive ranks; 1 rank for hf) split the batch: group g takes the
         g-th contiguous share, all its ranks with the same prompts and seed, and one copy per group is gathered.
-        With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens)."""
+        With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens).
+        Split devices: the rollout ranks generate it (offpolicy.Pipeline)."""
+        if self.pipeline is not None:
+            return self.pipeline.generate(batch, sampling, seed_purpose)
         tp = self.rollout.tp_size
         dp_rank, dp_size = self.rank // tp, self.world_size // tp
         mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
-        seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
+        seed = self.seed_of(self.global_step, dp_rank, seed_purpose)
         tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
         self.rollout.sleep()                                                   # and the memory goes back here
         pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
@@ -371,6 +383,9 @@ class Trainer:
         if logprobs is not None:
             full["rollout_log_probs"] = gather_tp_groups(pad_logprobs(logprobs, length), self.world_size, tp)  # [B, R]
         return {**batch, **full}
+
+    def seed_of(self, step, dp_rank, purpose):
+        return sampling_seed(self.cfg.trainer.seed, step, dp_rank, purpose)
 
     def score(self, batch):
         """Scores [b] of this rank's rows: the reward model's when it is enabled (verl's reward manager then uses
@@ -400,16 +415,20 @@ class Trainer:
         timings, metrics = {}, {}
 
         with timer("step", timings):
-            # 1. repeat each prompt n times, interleaved; one uid per prompt
-            prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
-            batch = repeat_interleave(prompts, arr.rollout.n)                            # B = prompts x n
+            if self.pipeline is not None:
+                # 1-2 (split devices): the rollout ranks repeated and generated this batch one update ago
+                batch = self.pipeline.next_batch(timings)
+            else:
+                # 1. repeat each prompt n times, interleaved; one uid per prompt
+                prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
+                batch = repeat_interleave(prompts, arr.rollout.n)                        # B = prompts x n
 
-            # 2. generate with the current weights (ReMax also generates greedily, for its baseline)
-            with timer("gen", timings):
-                prompt_batch, batch = batch, self.generate(batch, Sampling.from_config(arr.rollout), "train")
-            if cfg.algorithm.adv_estimator == "remax":
-                with timer("gen_max", timings):
-                    batch["reward_baselines"] = self.greedy_baselines(prompt_batch)      # [B]
+                # 2. generate with the current weights (ReMax also generates greedily, for its baseline)
+                with timer("gen", timings):
+                    prompt_batch, batch = batch, self.generate(batch, Sampling.from_config(arr.rollout), "train")
+                if cfg.algorithm.adv_estimator == "remax":
+                    with timer("gen_max", timings):
+                        batch["reward_baselines"] = self.greedy_baselines(prompt_batch)  # [B]
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
             batch, mine, local, seqlen = balance_and_shard(batch, self.rank, self.world_size,
@@ -531,7 +550,8 @@ class Trainer:
                    file=sys.stderr)
         skipped_in_a_row = 0
         while self.global_step < self.total_steps:
-            for prompts in self.loader:
+            # split devices: the pipeline takes the prompts from the loader itself, one step ahead
+            for prompts in self.loader if self.pipeline is None else itertools.repeat(None):
                 self.global_step += 1
                 skipped_before = self.actor.skipped_steps
                 metrics = self.train_step(prompts)
@@ -545,6 +565,8 @@ class Trainer:
                     metrics["timing_s/testing"] = time.perf_counter() - start
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
+                    if self.pipeline is not None:
+                        self.pipeline.settle()        # the batch in flight goes into the checkpoint
                     checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
@@ -728,7 +750,10 @@ def train(cfg):
     known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
     trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
-        trainer = Trainer(cfg)
+        if offpolicy.is_rollout_rank(cfg):        # split devices: this rank generates (offpolicy.py)
+            trainer = offpolicy.RolloutServer(cfg, *pick_device(cfg.trainer.device))
+        else:
+            trainer = Trainer(cfg)
         expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
     except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
