@@ -210,10 +210,10 @@ def total_training_steps(cfg, batches_per_epoch):
 
 def format_plan(plan, steps=None):
     lines = ["batch plan:",
-             f"  world size {plan['world_size']} (data-parallel {plan['dp']})",
-             *([f"  split devices: ranks 0..{plan['trainer_ranks'] - 1} train, ranks {plan['trainer_ranks']}.."
-                f"{plan['trainer_ranks'] + plan['rollout_ranks'] - 1} generate one step ahead (one-step-off-policy)"]
-               if "trainer_ranks" in plan else []),
+             f"  world size {plan['world_size']} (data-parallel {plan['dp']})" if "trainer_ranks" not in plan else
+             f"  split devices (one-step-off-policy): ranks 0..{plan['trainer_ranks'] - 1} train (data-parallel "
+             f"{plan['dp']}), ranks {plan['trainer_ranks']}..{plan['trainer_ranks'] + plan['rollout_ranks'] - 1} "
+             f"generate one step ahead",
              f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
              f"per rank {plan['responses_per_rank']}",
              f"  mini-batches per step {plan['mini_batches_per_step']}, "

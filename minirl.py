@@ -570,7 +570,7 @@ class Trainer:
                     checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = self.loader.epoch
+                metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
                 metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 self.tracker.log(metrics, step=self.global_step)
                 bar.update(1)

@@ -203,7 +203,7 @@ class RolloutServer:
             answers = parts[::tp]                        # one copy per TP group, in group order
             reply = None
             if self.local_rank == 0:                     # vLLM also returns log-probs (hf: None)
-                with_logprobs = self.cfg.actor_rollout_ref.rollout.name == "vllm"
+                with_logprobs = any(part is not None for _, part in answers)
                 reply = {"tokens": [t for part, _ in answers for t in part],
                          "logprobs": [lp for _, part in answers for lp in part or []] if with_logprobs else None}
             self.bridge.broadcast_object(reply, src=1)
@@ -231,8 +231,9 @@ class Pipeline:
         self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path))
         rollout = cfg.actor_rollout_ref.rollout
         self.groups = rollout_ranks(cfg) // (rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1)
-        self.in_flight = None          # the prompt batch (repeated, with uids) the rollout ranks are generating
-        self.ready = None              # a generated batch taken early (validation, checkpoint, resume)
+        self.in_flight = None          # (prompt batch (repeated, with uids), its data epoch) being generated
+        self.ready = None              # (generated batch, its data epoch), taken early (validation, checkpoint)
+        self.epoch = trainer.loader.epoch    # the data epoch of the batch trained now (training/epoch)
         self.prompts = (prompts for _ in itertools.count() for prompts in trainer.loader)   # across epochs
         layout = weight_layout(trainer.actor.model)
         if bridge is not None:
@@ -272,13 +273,13 @@ class Pipeline:
         prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
         batch = repeat_interleave(prompts, rollout.n)
         self._send(batch, Sampling.from_config(rollout), step, "train")
-        self.in_flight = batch
+        self.in_flight = batch, self.trainer.loader.epoch
 
     def settle(self):
         """Take the batch in flight now (before validation or a checkpoint)."""
         if self.in_flight is not None:
-            batch, self.in_flight = self.in_flight, None
-            self.ready = self._receive(batch, self.trainer.cfg.actor_rollout_ref.rollout.response_length)
+            (batch, epoch), self.in_flight = self.in_flight, None
+            self.ready = self._receive(batch, self.trainer.cfg.actor_rollout_ref.rollout.response_length), epoch
 
     def next_batch(self, timings):
         """The batch to train on at this step, generated one update ago; the next one is launched at once."""
@@ -287,7 +288,7 @@ class Pipeline:
             self._launch(step)                                # prime: the first step (or after a resume)
         start = time.perf_counter()
         self.settle()
-        batch, self.ready = self.ready, None
+        (batch, self.epoch), self.ready = self.ready, None
         timings["wait_prev_gen"] = time.perf_counter() - start
         if step < self.trainer.total_steps:
             start = time.perf_counter()
