@@ -137,6 +137,9 @@ OPTIONAL_TYPES = {
     "data.train_files": (str, list), "data.val_files": (str, list), "data.val_batch_size": int,
     "data.tokenizer": str, "actor_rollout_ref.model.path": str, "actor_rollout_ref.model.custom_chat_template": str,
     "actor_rollout_ref.model.external_lib": str, "actor_rollout_ref.model.exclude_modules": (str, list),
+    # keys with a default that also take another type
+    "actor_rollout_ref.model.target_modules": (str, list), "critic.model.target_modules": (str, list),
+    "actor_rollout_ref.model.lora_alpha": float,
     "actor_rollout_ref.actor.ppo_micro_batch_size": int, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": int,
     **{f"actor_rollout_ref.{worker}.{key}": kind for worker in ("ref", "rollout") for key, kind in (
         ("log_prob_micro_batch_size", int), ("log_prob_micro_batch_size_per_gpu", int),
@@ -183,7 +186,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 
 # Accepted so verl configs load, but the feature behind them is not built yet: setting them is an error.
 NOT_YET = {
-    "actor_rollout_ref.model.lora_rank": (0, "LoRA"),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
     "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
     "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
@@ -217,7 +219,6 @@ NO_EFFECT = {
     "actor_rollout_ref.actor.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
     "actor_rollout_ref.ref.fsdp_config.": "FSDP2 shards every decoder layer and the root",
     "critic.model.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
-    "critic.model.lora_rank": "the critic is fully fine-tuned",
     "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
     "reward_model.launch_reward_fn_async": "rewards are computed in the step",
     "actor_rollout_ref.rollout.layered_summon": "weights are gathered one tensor at a time",
@@ -491,7 +492,7 @@ def check_types(cfg, node=DEFAULTS, prefix=""):
             check_types(cfg, default, dotted + ".")
             continue
         value = _get(cfg, dotted)
-        want = OPTIONAL_TYPES.get(dotted) if default is None else type(default)
+        want = OPTIONAL_TYPES.get(dotted, None if default is None else type(default))
         if want is float and isinstance(value, str):
             value = _float_or_same(value)   # yaml reads 1e-6 (no dot) as a string
             _set(cfg, dotted, value)
@@ -544,6 +545,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_lora(cfg)
     if world_size:
         batch_plan(cfg, world_size)  # raises on batch arithmetic that does not divide
     if check_paths:
@@ -593,6 +595,27 @@ def _check_algorithm(cfg):
                    "actor_rollout_ref.actor.ppo_epochs"):
         if _get(cfg, dotted) <= 0:
             raise ConfigError(f"config key '{dotted}' must be positive, got {_get(cfg, dotted)}")
+
+
+def _check_lora(cfg):
+    """LoRA (actor_rollout_ref.model.lora_rank > 0): rank, alpha, and a vLLM load_format the adapter path handles.
+    Target modules are checked against the model itself (lora.check_target_modules) before its weights load."""
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if model.lora_rank < 0:
+        raise ConfigError(f"config key 'actor_rollout_ref.model.lora_rank' must be >= 0 (0 = full fine-tuning), "
+                          f"got {model.lora_rank}")
+    if cfg.critic.model.lora_rank != 0:
+        raise ConfigError("config key 'critic.model.lora_rank': LoRA on the critic is not supported (the critic is "
+                          "fully fine-tuned); leave it at 0")
+    if model.lora_rank == 0:
+        return
+    if model.lora_alpha <= 0:
+        raise ConfigError(f"config key 'actor_rollout_ref.model.lora_alpha' must be > 0 (the adapter is scaled by "
+                          f"lora_alpha / lora_rank), got {model.lora_alpha}")
+    if rollout.name == "vllm" and not (rollout.load_format == "safetensors" or rollout.load_format.startswith("dummy")):
+        raise ConfigError(f"config key 'actor_rollout_ref.rollout.load_format'={rollout.load_format!r} with LoRA: "
+                          f"use 'safetensors' (vLLM loads the base model from model.path) or a 'dummy*' format "
+                          f"(the first weight sync sends the base weights); later syncs send the adapter only")
 
 
 def _check_paths(cfg):
