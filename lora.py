@@ -5,7 +5,9 @@
     check_target_modules(model_cfg) before any weights load: the targets match modules of the model
     Adapter                         the adapter tensors in peft's saved format + its LoraConfig: what moves to the
                                     rollout engine at each sync and what a checkpoint keeps (peft's folder layout)
+    adapter_from_full_state(...)    an Adapter from the wrapped model's gathered adapter tensors
     base_weight_name(name)          the base model's Hugging Face name of a wrapped parameter
+    merge(base_model, folder)       the base with a saved adapter folded in (export, hf_model checkpoints)
 
 The reference policy is the same module with the adapter disabled (models.AdapterDisabled), so LoRA keeps one copy
 of the base weights. Left out: DoRA, rsLoRA, modules_to_save, LoRA on the critic, verl's layered_summon (the
