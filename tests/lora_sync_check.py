@@ -80,7 +80,8 @@ def main(model_dir, out_path, load_format, tp, run_dir):
     record["base_names_match"] = set(on_disk) <= set(base)
     record["base_differs"] = [name for name, tensor in on_disk.items() if not torch.equal(base[name], tensor)]
     adapter = actor.adapter().state
-    record["adapter_changed"] = sorted(name for name in adapter if not torch.equal(adapter[name], initial_adapter[name]))
+    record["adapter_changed"] = sorted(name for name, tensor in adapter.items()
+                                       if not torch.equal(tensor, initial_adapter[name]))
     record["adapter_names"] = sorted(adapter)
     record["trainable"] = sorted(name for name, p in actor.model.named_parameters() if p.requires_grad)
     record["optimized"] = sum(len(group["params"]) for group in actor.optimizer.param_groups)

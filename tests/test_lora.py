@@ -113,7 +113,8 @@ def test_grpo_with_lora_on_the_hf_engine(lora_run, demo_dir):
     assert lora_run["stdout"].count("16,384 trainable of 123,456 parameters") == 1      # logged once, by rank 0
     step = lora_run["dir"] / "checkpoints" / "global_step_5"
     adapter = load_file(step / "actor" / "lora_adapter" / "adapter_model.safetensors")
-    assert len(adapter) == 28 and json.loads((step / "actor" / "lora_adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert len(adapter) == 28
+    assert json.loads((step / "actor" / "lora_adapter" / "adapter_config.json").read_text())["r"] == 8
     # the optimizer holds the adapter's parameters only
     optim = torch.load(step / "actor" / "optim_world_size_2_rank_0.pt", weights_only=False)["state_dict"]
     assert sum(len(group["params"]) for group in optim["param_groups"]) == len(adapter)
@@ -124,7 +125,8 @@ def test_grpo_with_lora_on_the_hf_engine(lora_run, demo_dir):
     assert all(torch.equal(base[name], tensor) for name, tensor in on_disk.items())
 
 
-def test_lora_sigkill_then_auto_resume_matches_the_uninterrupted_run(lora_run, demo_dir, data_file, tmp_path):  # noqa: F811
+def test_lora_sigkill_then_auto_resume_matches_the_uninterrupted_run(lora_run, demo_dir, data_file,  # noqa: F811
+                                                                     tmp_path):
     kill_after_step_2_checkpoint(demo_dir, data_file, tmp_path, *HF_LORA)
     train(demo_dir, data_file, tmp_path, *HF_LORA)
     rows = metric_rows(tmp_path / "metrics.jsonl")
@@ -142,8 +144,8 @@ def exports(lora_run, tmp_path_factory):
     return {"adapter": out / "adapter", "merged": out / "merged", "step5": step5}
 
 
-def test_exported_adapter_and_merged_model_give_the_trained_policys_logprobs(lora_run, exports, demo_dir, data_file,  # noqa: F811
-                                                                            probe_batch, tmp_path):  # noqa: F811
+def test_exported_adapter_and_merged_model_give_the_trained_policys_logprobs(  # noqa: F811
+        lora_run, exports, demo_dir, data_file, probe_batch, tmp_path):  # noqa: F811
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out = tmp_path / "probe.pt"
@@ -239,7 +241,8 @@ def test_verl_lora_example_passes_print_config(paths):  # noqa: F811
                  "actor_rollout_ref.model.lora_rank=64",
                  "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.model.target_modules=all-linear",
                  "actor_rollout_ref.actor.optim.lr=3e-6", "actor_rollout_ref.model.use_remove_padding=True",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
                  "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
                  "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=True",
