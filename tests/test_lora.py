@@ -61,6 +61,7 @@ def test_vllm_generates_with_the_synced_adapter_and_a_stale_one_is_caught(sync_r
         assert record["lora_id"] == 2                                   # a fresh LoRA id per sync
 
 
+@needs_vllm     # the probe builds a vLLM engine too
 def test_hf_engine_generates_with_the_synced_adapter(sync_records):
     _, records = sync_records
     record = records[0]
@@ -70,6 +71,7 @@ def test_hf_engine_generates_with_the_synced_adapter(sync_records):
     assert masked_max_abs(record["hf_stale"], record["before"]["actor"], record["before"]["mask"]) < 1e-5
 
 
+@needs_vllm     # the probe builds a vLLM engine too
 def test_only_the_adapter_trains_and_the_base_stays_bit_identical(sync_records):
     _, records = sync_records
     for record in records:
@@ -81,6 +83,7 @@ def test_only_the_adapter_trains_and_the_base_stays_bit_identical(sync_records):
         assert record["adapter_changed"] == record["adapter_names"]
 
 
+@needs_vllm     # the probe builds a vLLM engine too
 def test_reference_is_the_base_model_exactly(sync_records):
     _, records = sync_records
     for record in records:
