@@ -22,7 +22,7 @@ import torch
 
 from config import ConfigError
 
-ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"      # peft's names (its config: adapter_config.json)
 PEFT_PREFIX = "base_model.model."        # what PeftModel puts before the wrapped model's parameter names
 
 
