@@ -201,12 +201,13 @@ def test_grpo_with_lora_on_vllm_from_the_merged_export(exports, demo_dir, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, pattern", [
-    (["actor_rollout_ref.model.lora_rank=-1"], r"'actor_rollout_ref.model.lora_rank' must be >= 0"),
+    (["actor_rollout_ref.model.lora_rank=-1"], r"'actor_rollout_ref.model.lora_rank'=-1 is out of range: valid is "
+                                               r"\[0, inf\)"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"],
-     r"'actor_rollout_ref.model.lora_alpha' must be > 0"),
+     r"'actor_rollout_ref.model.lora_alpha'=0 is out of range: valid is \(0, inf\)"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm",
       "actor_rollout_ref.rollout.load_format=auto"], r"load_format'='auto' with LoRA: use 'safetensors'"),
-    (["critic.model.lora_rank=8"], r"'critic.model.lora_rank': LoRA on the critic is not supported"),
+    (["critic.model.lora_rank=8"], r"'critic.model.lora_rank' enables LoRA on the critic"),
 ])
 def test_bad_lora_settings_are_refused(paths, overrides, pattern):  # noqa: F811
     with pytest.raises(ConfigError, match=pattern):
