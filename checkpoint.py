@@ -62,7 +62,6 @@ FORMAT = "minirl-checkpoint-2"          # 2: files map to {"bytes", "blake2b"}; 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # role -> (its save_contents in the config, its trainer.max_*_ckpt_to_keep key)
 LORA_DIR = "lora_adapter"
-HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint.save_contents", "max_actor_ckpt_to_keep"),
              "critic": ("critic.checkpoint.save_contents", "max_critic_ckpt_to_keep")}
 
@@ -595,11 +594,8 @@ def export_hf(ckpt, out, merge_adapter=False):
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = ckpt / role / "huggingface"
     if adapter_dir.is_dir() and not merge_adapter:
-        # the adapter and the tokenizer; no config.json, which would make transformers read OUT as a full model
-        tokenizer_files = [item for item in hf_dir.iterdir() if item.is_file() and item.suffix != ".safetensors"
-                           and item.name not in HF_MODEL_FILES]
-        for item in [*adapter_dir.iterdir(), *tokenizer_files]:
-            shutil.copy2(item, out / item.name)
+        import lora
+        lora.export_adapter(adapter_dir, hf_dir, out)
         print(f"exported the LoRA adapter of {ckpt / role} to {out}")
         return out
     weights = consolidate(ckpt, role)

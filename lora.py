@@ -7,6 +7,7 @@
                                     rollout engine at each sync and what a checkpoint keeps (peft's folder layout)
     adapter_from_full_state(...)    an Adapter from the wrapped model's gathered adapter tensors
     base_weight_name(name)          the base model's Hugging Face name of a wrapped parameter
+    export_adapter(...)             --export of a LoRA checkpoint: its adapter folder and tokenizer
     merge(base_model, folder)       the base with a saved adapter folded in (export, hf_model checkpoints)
 
 The reference policy is the same module with the adapter disabled (models.AdapterDisabled), so LoRA keeps one copy
@@ -15,6 +16,7 @@ adapter is gathered one tensor at a time anyway).
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +126,16 @@ def adapter_from_full_state(model, full_state):
     get_peft_model_state_dict picks and renames them."""
     from peft import get_peft_model_state_dict
     return Adapter(get_peft_model_state_dict(model, state_dict=full_state), model.peft_config["default"])
+
+
+def export_adapter(adapter_folder, hf_folder, out):
+    """A saved adapter plus the tokenizer files of `hf_folder` (a checkpoint's huggingface/), copied to `out`.
+    No config.json: transformers would read `out` as a full model; adapter_config.json names the base model."""
+    model_files = ("config.json", "generation_config.json", "model.safetensors.index.json")
+    tokenizer_files = [item for item in Path(hf_folder).iterdir()
+                       if item.is_file() and item.suffix != ".safetensors" and item.name not in model_files]
+    for item in [*Path(adapter_folder).iterdir(), *tokenizer_files]:
+        shutil.copy2(item, Path(out) / item.name)
 
 
 def merge(base_model, adapter_folder):
