@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -66,12 +67,23 @@ class Tracker:
 
 
 def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place)."""
+    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
+    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
-    if len(kept) < len(lines):
+    text = path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
+                  file=sys.stderr, flush=True)
+            continue
+        if keep:
+            kept.append(line)
+    if len(kept) < len(lines) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
