@@ -7,7 +7,7 @@ rank generating the next batch while the trainer learns). The workload is genera
 the first two) of each variant, side by side from this one invocation, the ratio, and the split run's median
 timing_s/wait_prev_gen (how long the trainer still waited for generation).
 
-Usage: .venv/bin/python bench/offpolicy.py [--demo demo] [--ranks 2] [--steps 6] [--response-length 64] [--engine hf]
+Usage: .venv/bin/python bench/offpolicy.py [--demo demo] [--ranks 2] [--steps 6] [--response-length 160] [--engine hf]
 (the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--demo", default="demo")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--response-length", type=int, default=64)
+    parser.add_argument("--response-length", type=int, default=160)
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     args = parser.parse_args()
     demo = Path(args.demo).resolve()
