@@ -1,5 +1,5 @@
 """One-step-off-policy on split devices (offpolicy.py), on CPU under real torchrun: 1 trainer + 1 rollout rank and
-2 + 1, with the hf and the vLLM engine; the staleness of every batch (exactly one update behind), the update on a
+2 + 1, with the hf and the vLLM engine, and 1 + 2 with vLLM TP 2; the staleness of every batch (exactly one update behind), the update on a
 stale batch against a colocated update fed the same batch, SIGKILL + resume, and the config errors for bad splits.
 
 Runs train on the first 8 demo prompts, 4 per step, n=2, 8 response tokens, with a large learning rate so that
@@ -118,6 +118,18 @@ def test_two_trainers_and_one_rollout_rank_train_end_to_end(engine, demo_dir, da
     if engine == "vllm":                       # vLLM's own log-probs of its samples against the actor's
         assert rows[1]["training/rollout_probs_diff_max"] < 1e-2 < rows[2]["training/rollout_probs_diff_max"]
     assert "error" not in run.stderr.lower().replace("error_file", "")
+
+
+def test_vllm_tensor_parallel_inside_the_rollout_ranks(demo_dir, data_file, tmp_path_factory):
+    """1 trainer + 2 rollout ranks forming one vLLM TP group: the synced weights reach both shards (step 1 is
+    on-policy: vLLM's log-probs equal the actor's), and step 2 trains one update behind."""
+    tmp_path = tmp_path_factory.mktemp("tp")       # short: vLLM's TP sockets live under it (107-character limit)
+    torchrun(3, "minirl.py", "--config", ROOT / "config.yaml",
+             *overrides(demo_dir, data_file, tmp_path, "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=2",
+                        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                        steps=2), timeout=500)
+    rows = rows_of(tmp_path)
+    assert rows[0]["training/rollout_probs_diff_max"] < 1e-4 < rows[1]["training/rollout_probs_diff_max"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
