@@ -1,12 +1,14 @@
 """Models: load a Hugging Face model, shard it with FSDP2, and run the training forward pass.
 
 The forward pass is the one place that turns a batch into per-token log-probs (and entropy, or values):
-  * padded:  model(input_ids [b, L], attention_mask, position_ids) -> logits [b, L, V]
-  * packed (use_remove_padding): the micro-batch's valid tokens in one row [1, nnz]; position ids restart at 0 for
-    each sequence, which transformers reads as sequence boundaries (block-diagonal attention: varlen flash
-    attention where available, a packed-sequence mask on sdpa/eager); the result is scattered back to [b, L].
-Either way logits are divided by the sampling temperature and the response slice [:, P-1 : P+R-1] predicts the
-response tokens [:, P : P+R] (verl's `[:, -R-1:-1]`).
+  * padded:  model(input_ids [b, L], attention_mask, position_ids)
+  * packed (use_remove_padding): the micro-batch's valid tokens in one row [1, nnz], with the sequence
+    boundaries passed as flash-attention's varlen keywords; the attention (attention.py) costs sum(len^2):
+    flash-attention varlen on CUDA, torch_npu's fused attention on NPU, sdpa per sequence on CPU.
+Either way position L-R-1+t predicts response token t (verl's slice `[:, -R-1:-1]`), and only those positions
+reach the head: the final hidden states are cut to them inside the model's forward, and the LM head and
+log-softmax (divided by the sampling temperature) run over them in chunks, so the [tokens, vocab] logits of the
+prompt are never computed and those of the response never exist at once in a no-grad pass.
 
 Micro-batching: a fixed number of responses (`*_micro_batch_size_per_gpu`), or `use_dynamic_bsz`: sequences
 grouped under a token budget, with the same number of micro-batches on every rank (FSDP needs every rank to run
@@ -21,24 +23,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from attention import attention_backend
 from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and sharding
-
-
-def attention_backend(device_type, use_remove_padding):
-    """flash_attention_2 (varlen kernels: packed sequences cost nothing extra) where installed on CUDA, else sdpa.
-    On sdpa, transformers turns restarting position ids into a block-diagonal mask over the packed row, which is
-    quadratic in the packed length: on CPU, packing long micro-batches is slower than padding (bench/step.py)."""
-    if device_type == "cuda" and use_remove_padding:
-        try:
-            import flash_attn  # noqa: F401
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
 
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,
@@ -101,81 +91,148 @@ def full_state_dict_items(model):
 # ----------------------------------------------------------------------------------------------------------------
 # Forward passes
 
+HEAD_CHUNK_ELEMENTS = 2 ** 26    # logits computed at a time by the LM head ([tokens, V] fp32: 256 MiB)
+
 
 def _pack(input_ids, attention_mask, position_ids):
-    """Valid tokens of every row, concatenated: ids/pos [1, nnz], plus their flat indices in [b*L]."""
+    """Valid tokens of every row, concatenated: ids/pos [1, nnz], their flat indices in [b*L], and the sequence
+    boundaries in flash-attention's varlen keywords (cu_seq_lens [n_rows + 1], max_length), which the packed
+    attention reads (attention.py)."""
     flat_valid = attention_mask.reshape(-1).bool()                       # [b*L]
     indices = flat_valid.nonzero(as_tuple=True)[0]                       # [nnz]
     ids = input_ids.reshape(-1)[indices].unsqueeze(0)                    # [1, nnz]
     pos = position_ids.reshape(-1)[indices].unsqueeze(0)                 # [1, nnz]
-    return ids, pos, indices
+    lengths = attention_mask.sum(-1)
+    lengths = lengths[lengths > 0]                                       # [rows with tokens]
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)    # [rows + 1]
+    max_length = int(lengths.max()) if lengths.numel() else 0
+    varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
+              "max_length_k": max_length}
+    return ids, pos, indices, varlen
 
 
-def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None):
+def _model_inputs(batch, use_remove_padding):
+    """The model's keyword inputs, and a map from flat positions in [b*L] to positions of the model's output
+    (packed: the index among valid tokens; padded: the same position)."""
+    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    if not use_remove_padding:
+        return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids), None
+    ids, pos, _, varlen = _pack(input_ids, attention_mask, position_ids)
+    packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
+    return dict(input_ids=ids, position_ids=pos, **varlen), packed_index
+
+
+def response_predicting_positions(attention_mask, response_len):
+    """Flat indices [n] into [b*L] of the positions whose next token is a valid response token: position
+    L-R-1+t predicts response token t (verl's slice [:, -R-1:-1]). Only these need the head."""
+    length = attention_mask.shape[1]
+    predicts = torch.zeros_like(attention_mask, dtype=torch.bool)          # [b, L]
+    predicts[:, length - response_len - 1:length - 1] = attention_mask[:, length - response_len:].bool()
+    return predicts.reshape(-1).nonzero(as_tuple=True)[0]
+
+
+def _scatter_to_responses(values, keep, shape):
+    """values [n] at flat positions `keep` (from response_predicting_positions) -> [b, R], zero elsewhere."""
+    (b, length), response_len = shape
+    out = values.new_zeros(b, response_len)
+    out[keep // length, keep % length - (length - response_len - 1)] = values
+    return out
+
+
+def forward_kept(model, inputs, keep, head_fn=None):
+    """Run `model` on `inputs` with its final hidden states cut to positions `keep` [n] (of its flattened
+    output) before the head, so the head runs on those alone.
+
+    With head_fn, head_fn(hidden [n, H]) replaces the model's head and its result is returned. It runs inside
+    the model's forward (a hook on the decoder's output), where FSDP2 has the head's weights gathered and
+    autograd reaches them. Without it the model's own head runs on the kept positions: output [n, ...]."""
+    result = {}
+
+    def cut(module, args, output):
+        hidden = output.last_hidden_state.flatten(0, 1)[keep]           # [n, H]
+        if head_fn is None:
+            output.last_hidden_state = hidden.unsqueeze(0)                 # [1, n, H]
+        else:
+            result["head"] = head_fn(hidden)
+            output.last_hidden_state = hidden[:0].unsqueeze(0)             # the model's own head has nothing to do
+        return output
+
+    handle = getattr(model, model.base_model_prefix).register_forward_hook(cut)
+    try:
+        out = model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return result["head"] if head_fn is not None else out.logits[0]
+
+
+def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad=True):
+    """head_fn for forward_kept: hidden [n, H] -> (log-probs [n], entropy [n] or None), fp32, the LM head and
+    log-softmax run HEAD_CHUNK_ELEMENTS logits at a time so the [n, V] logits never exist at once (only the
+    chunks autograd keeps for backward). entropy_grad=False computes entropy without autograd (a metric)."""
+    logprobs_fn, entropy_fn = kernels
+    head = model.get_output_embeddings()
+    if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
+        raise NotImplementedError(f"{type(model).__name__} post-processes its logits (soft-capping or scaling); "
+                                  f"minirl's log-prob head applies the output embedding alone")
+
+    def run(hidden):
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        logps, entropies = [], []
+        for h, y in zip(hidden.split(chunk), labels.split(chunk)):
+            logits = head(h).float() / temperature                        # [c, V]
+            logps.append(logprobs_fn(logits, y))                          # [c]
+            if calc_entropy:
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    entropies.append(entropy_fn(logits))                  # [c]
+        return torch.cat(logps), (torch.cat(entropies) if calc_entropy else None)
+
+    return run
+
+
+def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None,
+                   entropy_grad=True):
     """Per-token log-probs of the response (and entropy) under `model`.
 
     batch: input_ids/attention_mask/position_ids [b, P+R], responses [b, R].
-    Returns (log_probs [b, R], entropy [b, R] or None), fp32. Positions outside the attention mask hold values
-    that the response mask zeroes out downstream. `kernels`: (logprobs_fn, entropy_fn), e.g. torch.compile'd.
+    Returns (log_probs [b, R], entropy [b, R] or None), fp32, zero where the response is padding. Only the
+    positions that predict a response token reach the LM head. `kernels`: (logprobs_fn, entropy_fn), e.g.
+    torch.compile'd.
     """
-    logprobs_fn, entropy_fn = kernels or (logprobs_from_logits, entropy_from_logits)
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    b, length = input_ids.shape
-    response_len = batch["responses"].shape[1]
-    # labels[t] = the token at t+1: what position t predicts
-    labels = torch.roll(input_ids, shifts=-1, dims=1)                    # [b, L]
-    if use_remove_padding:
-        ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]   # [nnz, V]
-        logits = logits.float() / temperature
-        packed_labels = labels.reshape(-1)[indices]                      # [nnz]
-        logp_flat = logits.new_zeros(b * length)
-        logp_flat[indices] = logprobs_fn(logits, packed_labels)
-        logp = logp_flat.view(b, length)
-        entropy = None
-        if calc_entropy:
-            ent_flat = logits.new_zeros(b * length)
-            ent_flat[indices] = entropy_fn(logits)
-            entropy = ent_flat.view(b, length)
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits                          # [b, L, V]
-        logits = logits.float() / temperature
-        logp = logprobs_fn(logits, labels)                                # [b, L]
-        entropy = entropy_fn(logits) if calc_entropy else None
-    response_slice = slice(length - response_len - 1, length - 1)
-    return logp[:, response_slice], (entropy[:, response_slice] if entropy is not None else None)
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    shape = (input_ids.shape, batch["responses"].shape[1])
+    keep = response_predicting_positions(attention_mask, shape[1])        # [n] flat positions in [b*L]
+    labels = input_ids.reshape(-1)[keep + 1]                              # [n] the response token each predicts
+    inputs, to_output = _model_inputs(batch, use_remove_padding)
+    head_fn = logprob_head(model, labels, temperature, calc_entropy,
+                           kernels or (logprobs_from_logits, entropy_from_logits), entropy_grad)
+    logp, entropy = forward_kept(model, inputs, keep if to_output is None else to_output[keep], head_fn)
+    return (_scatter_to_responses(logp, keep, shape),
+            _scatter_to_responses(entropy, keep, shape) if entropy is not None else None)
 
 
-def head_outputs(model, batch, use_remove_padding=True):
-    """The one-output head of a critic or reward model (token classification, 1 label) at every position:
-    [b, L] fp32, packed or padded like token_logprobs."""
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    b, length = input_ids.shape
-    if not use_remove_padding:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).logits[..., 0].float()            # [b, L]
-    ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-    out = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, :, 0].float()    # [nnz]
-    per_token = out.new_zeros(b * length)
-    per_token[indices] = out
-    return per_token.view(b, length)
+def head_outputs(model, batch, keep, use_remove_padding=True):
+    """The one-output head of a critic or reward model (token classification, 1 label) at flat positions
+    `keep` [n] of [b*L]: [n] fp32, packed or padded like token_logprobs."""
+    inputs, to_output = _model_inputs(batch, use_remove_padding)
+    return forward_kept(model, inputs, keep if to_output is None else to_output[keep])[:, 0].float()
 
 
 def token_values(critic, batch, use_remove_padding=True):
     """Values [b, R] from a token-classification critic, verl's slice [:, -R-1:-1] (the value of the state
-    before each response token)."""
-    length, response_len = batch["input_ids"].shape[1], batch["responses"].shape[1]
-    return head_outputs(critic, batch, use_remove_padding)[:, length - response_len - 1:length - 1]
+    before each response token); zero where the response is padding."""
+    shape = (batch["input_ids"].shape, batch["responses"].shape[1])
+    keep = response_predicting_positions(batch["attention_mask"], shape[1])
+    return _scatter_to_responses(head_outputs(critic, batch, keep, use_remove_padding), keep, shape)
 
 
 def last_token_scores(model, batch, use_remove_padding=True):
     """A reward model's score per row [b]: its head at the last valid token (verl's reward model worker reads a
     token-classification output there; a sequence-classification checkpoint loads as one)."""
-    per_token = head_outputs(model, batch, use_remove_padding)                         # [b, L]
-    length = per_token.shape[1]
-    last = (torch.arange(length).unsqueeze(0) * batch["attention_mask"].cpu()).argmax(-1)   # [b]
-    return per_token.gather(1, last.unsqueeze(1).to(per_token.device)).squeeze(1)
+    mask = batch["attention_mask"]
+    b, length = mask.shape
+    positions = torch.arange(length, device=mask.device)
+    last = (positions.unsqueeze(0) * mask).argmax(-1)                     # [b]
+    return head_outputs(model, batch, torch.arange(b, device=mask.device) * length + last, use_remove_padding)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -341,9 +398,9 @@ class Policy(Worker):
         if arr.actor.use_torch_compile:         # verl compiles the log-prob/entropy kernels, not the model
             self.kernels = tuple(torch.compile(kernel) for kernel in self.kernels)
 
-    def forward(self, micro, temperature, calc_entropy=False):
+    def forward(self, micro, temperature, calc_entropy=False, entropy_grad=True):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels)
+                              calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad)
 
     def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
         """No-grad log-probs [b, R] (and entropy [b, R]) in micro-batches; rows keep their order."""
@@ -358,12 +415,16 @@ class Policy(Worker):
                     entropy[index] = ent.cpu()
         return logp, entropy
 
-    def update(self, batch, dp_size):
+    def update(self, batch, dp_size, on_policy=False):
         """verl's update_policy: ppo_epochs x mini-batches (one optimizer step each) x micro-batches.
 
         Each micro-batch's loss is its share of the mini-batch loss normalised over ALL ranks' tokens/sequences
         (losses.agg_loss with global counts), multiplied by dp_size because FSDP averages gradients over ranks;
         so the gradient is that of the full mini-batch loss whatever the micro-batching.
+
+        on_policy (the trainer's minirl.update_is_on_policy: one epoch, one mini-batch): the batch has no
+        old_log_probs; each micro-batch's own log-probs, detached, stand in for them (the weights that sampled are
+        the weights of this forward), and they and the entropy are kept in self.on_policy_outputs [b, R] each.
         """
         from losses import agg_loss, kl_penalty, policy_loss
         actor = self.cfg.actor_rollout_ref.actor
@@ -371,6 +432,8 @@ class Policy(Worker):
         mini_size = actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dp_size
         b = batch["responses"].shape[0]
         metrics = {}
+        if on_policy:
+            self.on_policy_outputs = (torch.zeros(batch["responses"].shape), torch.zeros(batch["responses"].shape))
 
         def record(name, value):
             metrics.setdefault(name, []).append(float(value))
@@ -386,8 +449,14 @@ class Policy(Worker):
                                                 actor.ppo_max_token_len_per_gpu):
                     micro = self.to_device(take(mini, index))
                     mask = micro["response_mask"].float()
-                    logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0)
-                    pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], logp, micro["advantages"], mask,
+                    logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0 or on_policy,
+                                                 entropy_grad=actor.entropy_coeff != 0)
+                    if on_policy:                   # this forward is the sampling policy's: keep what it gives
+                        rows = [start + i for i in index]
+                        self.on_policy_outputs[0][rows] = logp.detach().cpu()
+                        self.on_policy_outputs[1][rows] = entropy.detach().cpu()
+                    old_log_probs = logp.detach() if on_policy else micro["old_log_probs"]
+                    pg_loss, pg_metrics = policy_loss(old_log_probs, logp, micro["advantages"], mask,
                                                       clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high,
                                                       clip_c=actor.clip_ratio_c, **agg)
                     loss = pg_loss
