@@ -47,6 +47,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import checkpoint
+import flops
 import losses
 from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
                     total_training_steps)
@@ -342,6 +343,7 @@ class Trainer:
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
+        self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
@@ -470,6 +472,12 @@ class Trainer:
                 if on_policy:                    # the update's first forward gave the sampling policy's log-probs
                     local["old_log_probs"], entropy = self.actor.on_policy_outputs
                     metrics.update(self.record_old_log_probs(batch, local, entropy))
+                if self.peak_flops:              # verl's perf/mfu/actor, where the device's peak is known
+                    work = arr.actor.ppo_epochs * flops.training_flops(
+                        self.actor.model.config, batch["attention_mask"].sum(-1).tolist(),
+                        int(batch["response_mask"].sum()))
+                    metrics["perf/mfu/actor"] = flops.mfu(work, timings["update_actor"], self.peak_flops,
+                                                          self.world_size)
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
         metrics.update(timing_metrics(timings, batch, self.world_size))

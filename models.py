@@ -91,7 +91,7 @@ def full_state_dict_items(model):
 # ----------------------------------------------------------------------------------------------------------------
 # Forward passes
 
-HEAD_CHUNK_ELEMENTS = 2 ** 26    # logits computed at a time by the LM head ([tokens, V] fp32: 256 MiB)
+HEAD_CHUNK_ELEMENTS = 2 ** 25    # logits computed at a time by the LM head ([tokens, V] fp32: 128 MiB)
 
 
 def _pack(input_ids, attention_mask, position_ids):
@@ -179,7 +179,7 @@ def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad
         chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
         logps, entropies = [], []
         for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-            logits = head(h).float() / temperature                        # [c, V]
+            logits = head(h).float().div_(temperature)                    # [c, V] (in place: mm keeps no output)
             logps.append(logprobs_fn(logits, y))                          # [c]
             if calc_entropy:
                 with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -119,6 +119,8 @@ def test_skipping_the_old_log_prob_pass_changes_no_metric(demo_dir, tmp_path):
         for key in compared:
             assert skip[key] == pytest.approx(recompute[key], rel=1e-5, abs=1e-6), key
         assert abs(recompute["actor/ppo_kl"]) < 1e-6 and skip["actor/ppo_kl"] == 0.0     # on policy: ratio 1
+        # the actor update's FLOPs over its seconds against the made-up peak, 2 ranks
+        assert 0 < skip["perf/mfu/actor"] < 1 and 0 < recompute["perf/mfu/actor"] < 1
 
 
 @pytest.mark.parametrize("overrides, message", [
