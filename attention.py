@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 VARLEN_CPU = "minirl_varlen"
+BUCKET_LENGTH_RATIO = 1.5        # sequences of lengths within this ratio share one sdpa call (length_buckets)
 
 
 def attention_backend(device_type, use_remove_padding, flash_attn_installed=None):
@@ -66,7 +67,8 @@ def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None
     """Registered as `minirl_varlen`. query [1, Hq, nnz, d], key/value [1, Hkv, nnz, d] -> ([1, nnz, Hq, d], None).
 
     With a padding mask (the padded path) this is transformers' sdpa. Otherwise the row is cut at the sequence
-    boundaries (cu_seq_lens_q, else where the position ids restart) and each sequence gets causal sdpa on its own.
+    boundaries (cu_seq_lens_q, else where the position ids restart) and each sequence gets causal attention on its
+    own: sequences of similar length (length_buckets) side by side in one sdpa call.
     """
     if attention_mask is not None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -77,15 +79,42 @@ def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None
     if cu_seq_lens_q is None:
         cu_seq_lens_q = (packed_boundaries(position_ids)[0] if position_ids is not None
                          else torch.tensor([0, query.shape[2]]))
-    gqa = query.shape[1] != key.shape[1]
-    segments = []
     bounds = cu_seq_lens_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        segments.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling,
-            dropout_p=dropout if module.training else 0.0, enable_gqa=gqa))               # [1, Hq, len, d]
-    out = torch.cat(segments, dim=2)                                                     # [1, Hq, nnz, d]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    gqa = query.shape[1] != key.shape[1]
+    outputs, positions = [], []
+    for bucket in length_buckets(lengths):
+        # the bucket's sequences side by side, right-padded to its longest: [n_b, L_b] positions in the row
+        longest = lengths[bucket[0]]
+        offsets = torch.arange(longest, device=query.device)
+        starts = torch.tensor([bounds[i] for i in bucket], device=query.device)
+        ends = torch.tensor([bounds[i + 1] for i in bucket], device=query.device)
+        index = torch.minimum(starts[:, None] + offsets, ends[:, None] - 1)    # padding repeats the last token
+        q, k, v = (x[0][:, index.reshape(-1)].unflatten(1, index.shape).transpose(0, 1)
+                   for x in (query, key, value))                               # [n_b, H, L_b, d]
+        # causal attention never looks right, so the padding at the end changes no real token's output
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa,
+                                             dropout_p=dropout if module.training else 0.0)   # [n_b, Hq, L_b, d]
+        real = offsets[None, :] < (ends - starts)[:, None]                     # [n_b, L_b]
+        outputs.append(out.transpose(0, 1)[:, real])                           # [Hq, tokens of the bucket, d]
+        positions.append(index[real])
+    order = torch.cat(positions).argsort()                                     # back to the row's order
+    out = torch.cat(outputs, dim=1)[:, order].unsqueeze(0)                     # [1, Hq, nnz, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+def length_buckets(lengths, ratio=None):
+    """Sequence indices grouped for one sdpa call each, longest first: a group's longest is at most `ratio`
+    (BUCKET_LENGTH_RATIO) times its shortest, so right-padding a group to its longest costs at most ratio^2 x
+    its sum of len^2, in about log_ratio(longest / shortest) calls (one call per sequence is slow on CPU)."""
+    ratio = BUCKET_LENGTH_RATIO if ratio is None else ratio
+    buckets = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if buckets and lengths[i] * ratio >= lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
 
 
 def _varlen_cpu_mask(*args, attention_mask=None, **kwargs):

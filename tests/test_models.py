@@ -72,27 +72,31 @@ def test_packed_gradients_match_padded(tiny_model_dir):
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
-def test_packed_cpu_attention_is_per_sequence(tiny_model_dir, monkeypatch):
-    """The packed row's attention never spans sequences: every sdpa call sees one sequence (cost sum of len^2),
-    and the model builds no mask over the row."""
+def test_packed_cpu_attention_never_spans_sequences(tiny_model_dir, monkeypatch):
+    """minirl_varlen: sequences of similar length (within 1.5x) share one sdpa call, right-padded to the longest
+    of them; no call sees two sequences in one row and the model builds no mask over the packed row. Its
+    log-probs equal the one-sequence-at-a-time forward."""
     import torch.nn.functional as F
     import attention
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
                                                  attn_implementation=attention.VARLEN_CPU).eval()
-    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
+    batch = left_padded_batch([6, 4, 1, 4], [5, 4, 4, 1])                 # lengths 11, 8, 5, 5
     calls = []
     real_sdpa = F.scaled_dot_product_attention
 
     def recording_sdpa(query, key, value, attn_mask=None, **kwargs):
-        calls.append((key.shape[2], attn_mask))
+        calls.append((tuple(key.shape[::2]), attn_mask))                  # (sequences, length)
         return real_sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     with torch.no_grad():
-        token_logprobs(model, batch, use_remove_padding=True)
-    lengths = batch["attention_mask"].sum(-1).tolist()                   # [11, 5, 5, 5]
-    assert [n for n, _ in calls] == lengths * model.config.num_hidden_layers
+        packed, _ = token_logprobs(model, batch, use_remove_padding=True)
+        monkeypatch.undo()
+        expected = reference_logprobs(model, batch, temperature=1.0)
+    assert [shape for shape, _ in calls] == [(2, 11), (2, 5)] * model.config.num_hidden_layers
     assert all(mask is None for _, mask in calls)
+    response_mask = batch["attention_mask"][:, 6:].bool()
+    assert torch.allclose(packed[response_mask], expected[response_mask], atol=1e-5)
 
 
 @pytest.mark.parametrize("device, remove_padding, flash_installed, expected", [
