@@ -2,12 +2,13 @@
 
 1. Demo: the demo config for a few steps under torchrun (2 ranks, HF rollout), packed and padded
    (use_remove_padding true/false) run one after the other; medians of timing_s/* from each run's metrics.jsonl.
-2. Varied lengths: the work of a step's model passes on one micro-batch whose sequences are uniform in 16..384
-   tokens: the actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed with
-   minirl's per-sequence attention (attention.py), and packed with transformers' sdpa (a block-diagonal mask over
-   the packed row: what minirl did before). Variants take turns in each repeat; medians and ratios.
-3. Attention alone on the same lengths, forward only: per-sequence sdpa vs a dense block-diagonal mask, and with
-   --flex flex attention with a document mask (compiled; it has no backward on CPU, so it cannot train there).
+2. The model passes of a step on one micro-batch, sequences uniform in 16..384 tokens and short ones (40..80, demo-sized): the
+   actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed with minirl_varlen
+   (attention.py), and packed with transformers' sdpa (a block-diagonal mask over the packed row: what minirl did
+   before). Variants take turns in each repeat; medians and ratios.
+3. Attention alone on the 16..384 row, forward only: minirl_varlen (length buckets), one call per sequence, a
+   dense block-diagonal mask, and with --flex flex attention with a document mask (compiled; it has no backward
+   on CPU, so it cannot train there).
 4. Peak memory of the no-grad log-prob pass (with entropy, as the old-log-prob pass) on a tiny model with Qwen's
    152k vocabulary: logits over every position (before) vs the response positions in chunks (models.py). Each in
    a fresh process; the peak is the rise of the resident set (ru_maxrss) over what it was before the pass.
@@ -111,12 +112,11 @@ def load(model_dir, attn):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
 
 
-def varied_lengths(model_dir, rows, repeats):
+def varied_lengths(model_dir, batch, repeats):
     """Median seconds per (pass, variant), alternating variants within each repeat."""
     variants = {"padded (sdpa)": (load(model_dir, "sdpa"), False),
                 "packed, sdpa block-diagonal mask (before)": (load(model_dir, "sdpa"), True),
-                "packed, per-sequence (minirl_varlen)": (load(model_dir, attention.VARLEN_CPU), True)}
-    batch = varied_batch(rows, variants["padded (sdpa)"][0].config.vocab_size)
+                "packed, minirl_varlen": (load(model_dir, attention.VARLEN_CPU), True)}
     results = {}
     for name, fn in (("actor forward+backward", update_pass), ("log-prob pass (no grad)", logprob_pass)):
         times = {v: [] for v in variants}
@@ -126,18 +126,19 @@ def varied_lengths(model_dir, rows, repeats):
             for v, (model, packed) in variants.items():
                 times[v] += timed(lambda: fn(model, batch, packed), 1)
         results[name] = {v: statistics.median(t) for v, t in times.items()}
-    return batch, results
+    return results
 
 
-def varied_table(batch, results):
-    lengths = batch["attention_mask"].sum(-1)
-    lines = [f"{len(lengths)} sequences, {int(lengths.min())}..{int(lengths.max())} tokens "
-             f"({int(lengths.sum())} valid of {batch['attention_mask'].numel()} padded positions)\n",
-             "| pass | padded s | packed, block-diagonal mask (before) s | packed, per-sequence s | "
-             "padded/packed |", "|---|---|---|---|---|"]
-    for name, medians in results.items():
-        padded, before, now = medians.values()
-        lines.append(f"| {name} | {padded:.3f} | {before:.3f} | {now:.3f} | x{padded / now:.2f} |")
+def varied_table(batches, results):
+    lines = ["| micro-batch | pass | padded s | packed, block-diagonal mask (before) s | packed, minirl_varlen s | "
+             "padded/packed |", "|---|---|---|---|---|---|"]
+    for label, batch in batches.items():
+        lengths = batch["attention_mask"].sum(-1)
+        shape = (f"{label}: {len(lengths)} x {int(lengths.min())}..{int(lengths.max())} tokens, "
+                 f"{int(lengths.sum())}/{batch['attention_mask'].numel()} valid")
+        for name, medians in results[label].items():
+            padded, before, now = medians.values()
+            lines.append(f"| {shape} | {name} | {padded:.3f} | {before:.3f} | {now:.3f} | x{padded / now:.2f} |")
     return "\n".join(lines)
 
 
@@ -154,14 +155,20 @@ def attention_table(batch, repeats, with_flex, heads=2, head_dim=32):
     class Module:
         training = False
 
-    def per_sequence():
-        attention.varlen_cpu_attention(Module(), q, k, v, None, cu_seq_lens_q=cu)
+    def varlen(ratio):
+        def run():
+            attention.BUCKET_LENGTH_RATIO, saved = ratio, attention.BUCKET_LENGTH_RATIO
+            attention.varlen_cpu_attention(Module(), q, k, v, None, cu_seq_lens_q=cu)
+            attention.BUCKET_LENGTH_RATIO = saved
+        return run
 
     def dense_mask():
         mask = (doc[:, None] == doc[None, :]) & torch.ones(nnz, nnz, dtype=torch.bool).tril()
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    kernels = {"per-sequence sdpa": per_sequence, "sdpa, block-diagonal mask": dense_mask}
+    kernels = {f"minirl_varlen (length buckets within {attention.BUCKET_LENGTH_RATIO}x)":
+               varlen(attention.BUCKET_LENGTH_RATIO), "one sdpa call per sequence": varlen(1.0),
+               "sdpa, block-diagonal mask over the row": dense_mask}
     if with_flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         block_mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), 1, None, nnz, nnz,
@@ -173,8 +180,8 @@ def attention_table(batch, repeats, with_flex, heads=2, head_dim=32):
         for name, fn in kernels.items():
             fn()                                                            # warm up (and compile)
             medians[name] = statistics.median(timed(fn, repeats))
-    best = medians["per-sequence sdpa"]
-    lines = ["| attention (forward, packed row) | s | vs per-sequence |", "|---|---|---|"]
+    best = next(iter(medians.values()))
+    lines = ["| attention (forward, packed row) | s | vs minirl_varlen |", "|---|---|---|"]
     lines += [f"| {name} | {s:.4f} | x{s / best:.2f} |" for name, s in medians.items()]
     return "\n".join(lines)
 
@@ -263,15 +270,19 @@ def main():
         packed = run_demo_steps(args.steps, args.demo, True)
         padded = run_demo_steps(args.steps, args.demo, False)
         print(demo_table(packed, padded))
-    print(f"\n## 2. varied lengths, the demo model (median of {args.repeats}, variants alternating)\n")
-    batch, results = varied_lengths(model_dir, args.rows, args.repeats)
-    print(varied_table(batch, results))
-    print(f"\n## 3. attention alone, the same row (median of {args.repeats})\n")
-    print(attention_table(batch, args.repeats, args.flex))
+    model_vocab = load(model_dir, "sdpa").config.vocab_size
+    batches = {"uniform 16..384": varied_batch(args.rows, model_vocab),
+               "short 40..80": varied_batch(args.rows, model_vocab, min_len=40, max_len=80, max_prompt=64)}
+    print(f"\n## 2. the model passes, demo model (median of {args.repeats}, variants alternating)\n")
+    results = {label: varied_lengths(model_dir, batch, args.repeats) for label, batch in batches.items()}
+    print(varied_table(batches, results))
+    print(f"\n## 3. attention alone, the uniform 16..384 row (median of {args.repeats})\n")
+    print(attention_table(batches["uniform 16..384"], args.repeats, args.flex))
     print("\n## 4. peak memory of the log-prob pass, 152k vocabulary\n")
     print(memory_table(args.rows))
     print("\n## 5. FLOP/s of the actor update\n")
-    print(flops_table(model_dir, batch, results["actor forward+backward"]["packed, per-sequence (minirl_varlen)"]))
+    print(flops_table(model_dir, batches["uniform 16..384"],
+                      results["uniform 16..384"]["actor forward+backward"]["packed, minirl_varlen"]))
 
 
 if __name__ == "__main__":
