@@ -76,7 +76,7 @@ def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None
     if sliding_window is not None:
         raise NotImplementedError("packed rows (use_remove_padding) on CPU do not support sliding-window attention; "
                                   "set use_remove_padding=false for this model")
-    if cu_seq_lens_q is None:
+    if cu_seq_lens_q is None or int(cu_seq_lens_q[-1]) != query.shape[2]:     # none given, or for another row
         cu_seq_lens_q = (packed_boundaries(position_ids)[0] if position_ids is not None
                          else torch.tensor([0, query.shape[2]]))
     bounds = cu_seq_lens_q.tolist()
