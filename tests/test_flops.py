@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 import attention
 import flops
 from models import token_logprobs
-from test_models import left_padded_batch
+from conftest import padded_batch
 
 
 def test_training_flops_match_torchs_flop_counter(tiny_model_dir):
@@ -15,7 +15,7 @@ def test_training_flops_match_torchs_flop_counter(tiny_model_dir):
     term worked out by hand: 6 x head_dim 32 x 2 heads x 2 layers x sum(len^2)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
                                                  attn_implementation=attention.VARLEN_CPU)
-    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
+    batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
     with FlopCounterMode(display=False) as counter:
         logp, _ = token_logprobs(model, batch, use_remove_padding=True)
         logp.sum().backward()
