@@ -459,10 +459,10 @@ class Policy(Worker):
                 self.on_policy_outputs[1][rows] = entropy.detach().cpu()
             return losses.actor_loss(
                 logp, logp.detach() if on_policy else micro["old_log_probs"], micro.get("ref_log_prob"),
-                micro["advantages"], entropy, micro["response_mask"], clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
-                kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode,
-                **counts)
+                micro["advantages"], entropy, micro["response_mask"], clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+                entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+                kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode, **counts)
 
         metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
         if actor.use_kl_loss:

@@ -2,10 +2,10 @@
 
 1. Demo: the demo config for a few steps under torchrun (2 ranks, HF rollout), packed and padded
    (use_remove_padding true/false) run one after the other; medians of timing_s/* from each run's metrics.jsonl.
-2. The model passes of a step on one micro-batch, sequences uniform in 16..384 tokens and short ones (40..80, demo-sized): the
-   actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed with minirl_varlen
-   (attention.py), and packed with transformers' sdpa (a block-diagonal mask over the packed row: what minirl did
-   before). Variants take turns in each repeat; medians and ratios.
+2. The model passes of a step on one micro-batch, sequences uniform in 16..384 tokens and short ones (40..80,
+   demo-sized): the actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed
+   with minirl_varlen (attention.py), and packed with transformers' sdpa (a block-diagonal mask over the packed
+   row: what minirl did before). Variants take turns in each repeat; medians and ratios.
 3. Attention alone on the 16..384 row, forward only: minirl_varlen (length buckets), one call per sequence, a
    dense block-diagonal mask, and with --flex flex attention with a document mask (compiled; it has no backward
    on CPU, so it cannot train there).
@@ -213,7 +213,8 @@ def memory_probe(mode, rows):
             token_logprobs(model, batch, use_remove_padding=True, calc_entropy=True)
     high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"peak_mib": (high - rss_before) / 2 ** 20, "stale_high_water": high_before > high,
-                      "tokens": int(batch["attention_mask"].sum()), "response_tokens": int(batch["response_mask"].sum())}))
+                      "tokens": int(batch["attention_mask"].sum()),
+                      "response_tokens": int(batch["response_mask"].sum())}))
 
 
 def memory_table(rows):
