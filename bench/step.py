@@ -1,7 +1,7 @@
 """Benchmark the training step: remove padding (packed) vs padded, the log-prob pass's memory, and FLOP/s.
 
 1. Demo: the demo config for a few steps under torchrun (2 ranks, HF rollout), packed and padded
-   (use_remove_padding true/false) run one after the other; medians of timing_s/* from each run's metrics.jsonl.
+   (use_remove_padding true/false) in alternating runs (--rounds); medians of timing_s/* over their steps.
 2. The model passes of a step on one micro-batch, sequences uniform in 16..384 tokens and short ones (40..80,
    demo-sized): the actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed
    with minirl_varlen (attention.py), and packed with transformers' sdpa (a block-diagonal mask over the packed
@@ -15,7 +15,7 @@
 5. FLOP/s: the cores' fp32 matmul peak (2048^3, measured here) against the achieved FLOP/s of the packed actor
    forward+backward of part 2 (flops.training_flops).
 
-Usage: .venv/bin/python bench/step.py [--steps 8] [--demo demo] [--repeats 5] [--skip-run] [--flex]
+Usage: .venv/bin/python bench/step.py [--steps 8] [--rounds 2] [--demo demo] [--repeats 5] [--skip-run] [--flex]
 (the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
@@ -255,6 +255,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="packed and padded demo runs, alternating (part 1)")
     parser.add_argument("--rows", type=int, default=16, help="sequences per micro-batch in parts 2-4")
     parser.add_argument("--skip-run", action="store_true", help="leave out the torchrun demo (part 1)")
     parser.add_argument("--flex", action="store_true", help="also time flex attention (compiles for ~1 min)")
@@ -267,9 +268,12 @@ def main():
         return memory_probe(args.memory_probe, args.rows)
     model_dir = f"{args.demo}/model"
     if not args.skip_run:
-        print(f"## 1. demo step, 2 ranks, hf rollout, packed vs padded (medians of {args.steps - 2} steps)\n")
-        packed = run_demo_steps(args.steps, args.demo, True)
-        padded = run_demo_steps(args.steps, args.demo, False)
+        print(f"## 1. demo step, 2 ranks, hf rollout, packed vs padded (medians of {args.rounds} alternating runs "
+              f"x {args.steps - 2} steps)\n")
+        packed, padded = [], []
+        for _ in range(args.rounds):            # the runs alternate, so a change in the machine's load hits both
+            packed += run_demo_steps(args.steps, args.demo, True)
+            padded += run_demo_steps(args.steps, args.demo, False)
         print(demo_table(packed, padded))
     model_vocab = load(model_dir, "sdpa").config.vocab_size
     batches = {"uniform 16..384": varied_batch(args.rows, model_vocab),
