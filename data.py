@@ -78,24 +78,23 @@ class RLHFDataset:
     Rows are read eagerly (prompt datasets are small) and checked once at load, so a bad file fails at start-up
     with the file, row and column named. `truncation="error"` raises lazily in `__getitem__`, as verl does.
     `index` is extra_info["index"] when present, else the row's position in the concatenated files.
-    Images (image_key) are passed through untouched as multi_modal_data; processing them comes with VLM support.
+    With a vision-language `processor` (vision.py), rows may carry images under image_key: they are checked and
+    decoded at load, prompt lengths count the expanded image tokens, and items gain multi_modal_data (PIL images,
+    for vLLM) and multi_modal_inputs (pixel_values, image_grid_thw). A text model refuses rows with images.
     """
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
-                 prompt_key="prompt", image_key="images", return_raw_chat=False, chat_template=None,
-                 processor=None):
+                 prompt_key="prompt", image_key="images", video_key="videos", return_raw_chat=False,
+                 chat_template=None, processor=None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
-        if processor is not None:
-            raise NotImplementedError("multimodal processors are not supported yet; pass processor=None "
-                                      "(image bytes are still returned under multi_modal_data)")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (prompts are left-padded)")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.prompt_key = prompt_key
-        self.image_key = image_key
+        self.image_key, self.video_key, self.processor = image_key, video_key, processor
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
@@ -120,6 +119,7 @@ class RLHFDataset:
         rows = table.to_pylist()
         for row_number, row in enumerate(rows):
             self._check_row(row, path, row_number)
+            row["_folder"] = path.parent          # image paths in the row are relative to its parquet
         return rows
 
     def _check_row(self, row, path, row_number):
@@ -135,6 +135,13 @@ class RLHFDataset:
                              f"{{'style': 'rule', 'ground_truth': ...}}, got {row['reward_model']!r:.200}")
         if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
             raise ValueError(f"{where}, column 'extra_info': expected a struct, got {row['extra_info']!r:.200}")
+        if self.processor is not None:
+            import vision
+            vision.check_row(row, self.prompt_key, self.image_key, self.video_key, path.parent, where)
+        elif row.get(self.image_key) or row.get(self.video_key):
+            raise ValueError(f"{where}: the row has images or videos (columns {self.image_key!r}/{self.video_key!r}) "
+                             f"but the model is text-only, so it would never see them; use a vision-language "
+                             f"model (e.g. Qwen2.5-VL) or drop the column")
 
     def _drop_overlong_prompts(self):
         lengths = [len(self._prompt_ids(row)) for row in self.rows]
@@ -145,13 +152,24 @@ class RLHFDataset:
         self.origins = [self.origins[i] for i in keep]
 
     def _messages(self, row):
-        """The chat messages of a row (multimodal rows will split `<image>` markers here)."""
         return row[self.prompt_key]
 
-    def _prompt_ids(self, row):
+    def _encode(self, row):
+        """(templated prompt ids (image tokens expanded), raw ids for the rollout, multi_modal_data,
+        multi_modal_inputs); the last two are None for a text model."""
+        if self.processor is not None:
+            import vision
+            images = vision.row_images(row, self.image_key, row["_folder"], "")
+            ids, raw_ids, inputs = vision.encode_prompt(self.processor, self._messages(row), images,
+                                                        self.chat_template)
+            return ids, raw_ids, {"image": images}, inputs
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
                                                   add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids, ids, None, None
+
+    def _prompt_ids(self, row):
+        return self._encode(row)[0]
 
     def __len__(self):
         return len(self.rows)
@@ -173,11 +191,12 @@ class RLHFDataset:
 
     def __getitem__(self, i):
         row = self.rows[i]
-        ids = self._prompt_ids(row)
-        if len(ids) > self.max_prompt_length and self.truncation == "error":
-            raise self._overlong_error(i, len(ids))
-        raw_prompt_ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
-        input_ids, attention_mask = left_pad(raw_prompt_ids, self.max_prompt_length, self.tokenizer.pad_token_id)
+        ids, raw_ids, multi_modal_data, multi_modal_inputs = self._encode(row)
+        if len(ids) > self.max_prompt_length and (self.truncation == "error" or multi_modal_inputs):
+            raise self._overlong_error(i, len(ids))       # cutting a prompt with images would cut image tokens
+        ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+        raw_prompt_ids = truncate_ids(raw_ids, self.max_prompt_length, self.truncation)
+        input_ids, attention_mask = left_pad(ids, self.max_prompt_length, self.tokenizer.pad_token_id)
         item = {
             "input_ids": input_ids,  # [P]
             "attention_mask": attention_mask,  # [P]
@@ -191,8 +210,8 @@ class RLHFDataset:
         }
         if self.return_raw_chat:
             item["raw_prompt"] = self._messages(row)
-        if row.get(self.image_key):
-            item["multi_modal_data"] = {"image": list(row[self.image_key])}
+        if multi_modal_inputs:
+            item["multi_modal_data"], item["multi_modal_inputs"] = multi_modal_data, multi_modal_inputs
         return item
 
 

@@ -48,6 +48,7 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import losses
+import vision
 from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
                     total_training_steps)
 from data import PromptLoader, RLHFDataset, collate
@@ -318,9 +319,11 @@ class Trainer:
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)
+        # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
+        processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
-                              image_key=data.image_key,
+                              image_key=data.image_key, video_key=data.video_key, processor=processor,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
                               chat_template=arr.model.custom_chat_template)
@@ -360,7 +363,9 @@ class Trainer:
         mine = list(range(dp_rank * share, (dp_rank + 1) * share))
         self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
-        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
+        multi_modal = vision.rollout_inputs(batch, mine)            # None without images
+        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed,
+                                                 **({"multi_modal": multi_modal} if multi_modal else {}))
         self.rollout.sleep()                                                   # and the memory goes back here
         pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
         local = responses_to_batch(take(batch, mine), tokens, length, pad, eos)

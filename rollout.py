@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import vision
 from config import ConfigError
 
 
@@ -72,8 +73,10 @@ class HFRollout:
     tp_size = 1
 
     def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False):
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = vision.causal_lm_class(config).from_pretrained(model_path, dtype=dtype,
+                                                                    trust_remote_code=trust_remote_code)
         self.model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
@@ -94,8 +97,11 @@ class HFRollout:
         pass
 
     @torch.no_grad()
-    def generate(self, prompt_ids, sampling, seed):
-        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None)."""
+    def generate(self, prompt_ids, sampling, seed, multi_modal=None):
+        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None).
+        multi_modal (vision.rollout_inputs): prompts with images, generated from their expanded ids and pixels."""
+        if multi_modal:
+            prompt_ids = [entry["prompt_ids"] for entry in multi_modal]
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -110,6 +116,8 @@ class HFRollout:
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            if multi_modal:
+                kwargs.update(vision.generate_kwargs(self.model, input_ids, [e["inputs"] for e in multi_modal]))
             out = self.model.generate(input_ids=input_ids.to(self.device),
                                       attention_mask=attention_mask.to(self.device), **kwargs)
         return [row[width:].tolist() for row in out.cpu()], None
@@ -177,9 +185,10 @@ class VLLMRollout:
             getattr(torch, self.device.type).empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
 
-    def generate(self, prompt_ids, sampling, seed):
+    def generate(self, prompt_ids, sampling, seed, multi_modal=None):
         """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
-        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens.
+        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens. Prompts with
+        images (multi_modal, vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
@@ -191,6 +200,9 @@ class VLLMRollout:
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
         params = [SamplingParams(seed=seed + i, **common) for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        for request, entry in zip(requests, multi_modal or []):
+            if entry["images"]:
+                request["multi_modal_data"] = {"image": entry["images"]}
         # on CPU, vLLM torch.compiles a small rank-counting op at the first log-prob request (~15 s, needs g++);
         # eager gives the same tokens and log-probs
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
