@@ -9,6 +9,8 @@ Library use (the trainer in minirl.py does this):
 Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --input path/to/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
+    python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
+    python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
 
 Semantics follow verl v0.5.0: verl/utils/dataset/rl_dataset.py `RLHFDataset`, verl/utils/model.py
 `compute_position_id_with_mask`, verl/utils/torch_functional.py `postprocess_data`, and
@@ -325,8 +327,8 @@ def gsm8k_row(example, split, index):
     }
 
 
-def read_gsm8k_split(input_dir, split):
-    """GSM8K examples of `split` from DIR/split.jsonl, DIR/split.parquet or an HF layout DIR/**/split-*.parquet."""
+def read_split(input_dir, split, name="GSM8K", hub_name="openai/gsm8k"):
+    """Examples of `split` from DIR/split.jsonl, DIR/split.parquet or an HF layout DIR/**/split-*.parquet."""
     input_dir = Path(input_dir)
     jsonl = input_dir / f"{split}.jsonl"
     if jsonl.is_file():
@@ -335,8 +337,8 @@ def read_gsm8k_split(input_dir, split):
     parquets = [input_dir / f"{split}.parquet"] if (input_dir / f"{split}.parquet").is_file() else sorted(
         input_dir.rglob(f"{split}-*.parquet"))
     if not parquets:
-        raise FileNotFoundError(f"no GSM8K {split} split in {input_dir}: expected {split}.jsonl, {split}.parquet "
-                                f"or {split}-*.parquet (the HF openai/gsm8k layout)")
+        raise FileNotFoundError(f"no {name} {split} split in {input_dir}: expected {split}.jsonl, {split}.parquet "
+                                f"or {split}-*.parquet (the HF {hub_name} layout)")
     return [row for path in parquets for row in pq.read_table(path).to_pylist()]
 
 
@@ -346,12 +348,66 @@ def preprocess_gsm8k(input_dir, out_dir):
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split in ("train", "test"):
-        examples = read_gsm8k_split(input_dir, split)
+        examples = read_split(input_dir, split)
         for i, example in enumerate(examples):
             if not {"question", "answer"} <= example.keys():
                 raise ValueError(f"GSM8K {split} example {i} in {input_dir} lacks 'question'/'answer': "
                                  f"{sorted(example)}")
         rows = [gsm8k_row(example, split, i) for i, example in enumerate(examples)]
+        paths[split] = out_dir / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), paths[split])
+        print(f"wrote {len(rows)} rows to {paths[split]}")
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry3k preprocessing (verl examples/data_preprocess/geo3k.py, reading local files)
+# ------------------------------------------------------------------------------------------------------------
+GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the "
+                     r"final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                     r"answer MUST BE put in \boxed{}.")
+
+
+def geo3k_image(value, input_dir):
+    """An image as the {bytes, path} struct Hugging Face datasets writes; a path (relative to the input folder)
+    is read in, so the output parquet stands alone."""
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        return {"bytes": value["bytes"], "path": value.get("path")}
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": bytes(value), "path": None}
+    path = value.get("path") if isinstance(value, dict) else value
+    if not isinstance(path, str) or not (Path(input_dir) / path).is_file():
+        raise ValueError(f"geometry3k image {value!r:.80}: expected image bytes, a {{bytes, path}} struct or a path "
+                         f"to a file under {input_dir}")
+    return {"bytes": (Path(input_dir) / path).read_bytes(), "path": path}
+
+
+def geo3k_row(example, split, index, input_dir):
+    """One verl-format row from a geometry3k {problem (with <image>), answer, images} example."""
+    problem, answer = example["problem"], example["answer"]
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+        "images": [geo3k_image(image, input_dir) for image in example["images"]],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": problem},
+    }
+
+
+def preprocess_geo3k(input_dir, out_dir):
+    """Write verl-format train.parquet and test.parquet (images kept); returns {split: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "test"):
+        examples = read_split(input_dir, split, "geometry3k", "hiyouga/geometry3k")
+        rows = []
+        for i, example in enumerate(examples):
+            if not {"problem", "answer", "images"} <= example.keys():
+                raise ValueError(f"geometry3k {split} example {i} in {input_dir} lacks 'problem'/'answer'/'images': "
+                                 f"{sorted(example)}")
+            rows.append(geo3k_row(example, split, i, input_dir))
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -372,6 +428,22 @@ def run_gsm8k(args):
     preprocess_gsm8k(args.input, args.out)
 
 
+def run_geo3k(args):
+    preprocess_geo3k(args.input, args.out)
+
+
+def run_demo_vl(args):
+    from demo_vl import make_vl_demo_assets      # Pillow, transformers' processors: only for this command
+
+    start = time.time()
+    paths = make_vl_demo_assets(args.out)
+    warmup = json.loads(paths["warmup"].read_text())
+    print(f"VL demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, "
+          f"data {paths['train']} / {paths['test']}")
+    print(f"warmed-up model after {warmup['steps']} steps, greedy on the test prompts: "
+          f"format {warmup['format']:.0%}, accuracy {warmup['accuracy']:.0%}")
+
+
 def run_demo(args):
     # Imported here: demo.py builds on this module (left_pad) and on rewards.py, which the dataset code never needs.
     from demo import make_demo_assets
@@ -389,7 +461,12 @@ COMMANDS = {
     "gsm8k": Command("GSM8K jsonl/parquet -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_gsm8k,
                      (("--input", "folder with train/test .jsonl or .parquet"),)),
+    "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
+                     "folder for train.parquet and test.parquet", run_geo3k,
+                     (("--input", "folder with train/test .jsonl or .parquet"),)),
     "demo": Command("tiny warmed-up model + addition task parquet", "folder for model/ and data/", run_demo),
+    "demo-vl": Command("tiny warmed-up Qwen2.5-VL + colour-of-the-square task parquet (images)",
+                       "folder for model/ and data/", run_demo_vl),
 }
 
 

@@ -4,6 +4,7 @@ bad rows, and the training forward (padded, packed) against a plain forward of t
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision.py -q"""
 
 import io
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -166,3 +167,34 @@ def test_fsdp_units_and_gradient_checkpointing_cover_both_towers(tiny_vl_dir):
     assert len(units) == 2 + 2                   # 2 decoder layers + 2 vision blocks, each sharded on its own
     assert sum(type(u).__name__ == "Qwen2_5_VLVisionBlock" for u in units) == 2
     assert model.model.visual.gradient_checkpointing and model.model.language_model.gradient_checkpointing
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry3k preprocessing (verl's examples/data_preprocess/geo3k.py)
+# ------------------------------------------------------------------------------------------------------------
+def test_geo3k_rows_are_verls_and_load_with_their_images(processor, tmp_path):
+    from data import preprocess_geo3k
+    source = tmp_path / "geometry3k"
+    (source / "data").mkdir(parents=True)
+    (source / "imgs").mkdir()
+    (source / "imgs" / "t0.png").write_bytes(png("green"))
+    problem = "<image>Find x. Round to the nearest tenth."
+    # the HF layout (parquet, images as {bytes, path} structs) for train, jsonl with image paths for test
+    pq.write_table(pa.Table.from_pylist([{"images": [{"bytes": png("red"), "path": "a.png"}], "problem": problem,
+                                          "answer": "5.8"}]), source / "data" / "train-00000-of-00001.parquet")
+    (source / "test.jsonl").write_text(json.dumps({"images": ["imgs/t0.png"], "problem": problem, "answer": "12"}))
+    paths = preprocess_geo3k(source, tmp_path / "out")
+    train = pq.read_table(paths["train"]).to_pylist()[0]
+    instruction = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                   "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                   "MUST BE put in \\boxed{}.")
+    assert train == {"data_source": "hiyouga/geometry3k",
+                     "prompt": [{"role": "user", "content": problem + " " + instruction}],
+                     "images": [{"bytes": png("red"), "path": "a.png"}], "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": "5.8"},
+                     "extra_info": {"split": "train", "index": 0, "answer": "5.8", "question": problem}}
+    test = pq.read_table(paths["test"]).to_pylist()[0]
+    assert test["images"] == [{"bytes": png("green"), "path": "imgs/t0.png"}]     # read in: the parquet stands alone
+    item = RLHFDataset(paths["test"], processor.tokenizer, max_prompt_length=256, processor=processor)[0]
+    assert item["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert item["data_source"] == "hiyouga/geometry3k"
