@@ -171,7 +171,8 @@ class VLLMRollout:
             self.llm.sleep(level=1)
 
     def sync_weights(self, named_tensors):
-        """Load the actor's (name, full tensor) pairs, then drop cached prefixes computed with the old weights.
+        """Load the actor's (name, full tensor) pairs, then drop cached prefixes and image encodings computed with
+        the old weights.
         `named_tensors` may be a collective (FSDP all-gathers), so it is always iterated to the end."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
@@ -181,6 +182,9 @@ class VLLMRollout:
         for _ in pairs:
             pass
         self.llm.reset_prefix_cache()
+        # and the vision encoder's outputs: computed with the old vision tower (and the scheduler's record of them
+        # must go with the worker's, or the next request with the same image misses)
+        self.llm.llm_engine.reset_encoder_cache()
         if self.sleeps:
             getattr(torch, self.device.type).empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
@@ -260,7 +264,7 @@ def vllm_engine_kwargs(cfg, device):
         max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
         enable_chunked_prefill=rollout.enable_chunked_prefill, enable_prefix_caching=True,
         disable_log_stats=rollout.disable_log_stats, seed=cfg.trainer.seed,
-        load_format="dummy" if rollout.load_format.startswith("dummy") else rollout.load_format,
+        load_format=engine_load_format(rollout.load_format, model.path, model.trust_remote_code),
         enable_sleep_mode=bool(rollout.free_cache_engine) and device.type != "cpu",
         # log-probs of the distribution the tokens were sampled from (after temperature), as the actor computes them
         logprobs_mode="processed_logprobs",
@@ -269,6 +273,17 @@ def vllm_engine_kwargs(cfg, device):
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     kwargs.update(passthrough_engine_kwargs(rollout.engine_kwargs.get("vllm") or {}))
     return kwargs
+
+
+def engine_load_format(load_format, model_path, trust_remote_code=False):
+    """verl's rule: `dummy*` starts vLLM from random weights (the first sync fills them), anything else loads the
+    checkpoint. A vision-language model always loads it: vLLM's dummy loader also randomises buffers that no
+    checkpoint or sync holds (Qwen2.5-VL's fused image normalisation, built from the processor's mean and std)."""
+    if not load_format.startswith("dummy"):
+        return load_format
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return "auto" if vision.is_vision_language(config) else "dummy"
 
 
 def passthrough_engine_kwargs(extra):

@@ -2,10 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/vllm_vl_sync_check.py VL_MODEL_DIR DATA.parquet OUT.pt RUN_DIR
 
-Like vllm_sync_check.py, for the tiny Qwen2.5-VL: vLLM starts from random (dummy) weights, every rank syncs,
-samples responses to image prompts, takes one optimizer step of the actor (which moves the vision tower too),
-syncs again and samples again. For both generations it records vLLM's log-probs and, on the same tokens, the
-actor's and those of the untouched model on disk; and the vision tower's weights before and after the step.
+Like vllm_sync_check.py, for the tiny Qwen2.5-VL (vLLM loads it from disk: see rollout.engine_load_format). Every
+rank syncs, samples responses to image prompts, takes one optimizer step of the actor (which moves the vision tower
+too), syncs again and samples again; then takes another step and syncs everything but the vision tower, to show
+that a stale vision tower shows in the log-probs. For each generation it records vLLM's log-probs and, on the same
+tokens, the actor's and those of the untouched model on disk; and how far the first step moved the vision tower.
 """
 import sys
 from pathlib import Path
@@ -22,9 +23,11 @@ from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  #
 from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config  # noqa: E402
 
 
-def rollout(engine, actor, disk_model, batch, seed, pad_id):
-    """Sync, generate, and score the generated tokens under vLLM, the actor and the model on disk (all [b, R])."""
-    engine.sync_weights(full_state_dict_items(actor.model))
+def rollout(engine, actor, disk_model, batch, seed, pad_id, skip_vision=False):
+    """Sync (all weights, or all but the vision tower's), generate, and score the generated tokens under vLLM, the
+    actor and the model on disk (all [b, R])."""
+    engine.sync_weights((name, tensor) for name, tensor in full_state_dict_items(actor.model)
+                        if not (skip_vision and ".visual." in name))
     rows = list(range(len(batch["raw_prompt_ids"])))
     tokens, logprobs = engine.generate(batch["raw_prompt_ids"], Sampling(max_tokens=RESPONSE_LEN,
                                                                           temperature=TEMPERATURE), seed,
@@ -58,13 +61,19 @@ def main(model_dir, data_path, out_path, run_dir):
     records = {"before": record}
 
     sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(8)]).unsqueeze(1)
-    full["old_log_probs"] = record["actor"]
-    full["advantages"] = sign * full["response_mask"]                                  # [b, R]
-    actor.update(full, dp_size=world)
+
+    def step(full, record):          # push up the even rows' responses, down the odd rows'
+        full["old_log_probs"] = record["actor"]
+        full["advantages"] = sign * full["response_mask"]                              # [b, R]
+        actor.update(full, dp_size=world)
+
+    step(full, record)
     after_weights = vision_weights(actor)
     records["vision_change"] = max(float((after_weights[k] - before_weights[k]).abs().max()) for k in before_weights)
     records["vision_names"] = sorted(before_weights)
-    _, records["after"] = rollout(engine, actor, disk_model, batch, seed + 1, pad)
+    full, records["after"] = rollout(engine, actor, disk_model, batch, seed + 1, pad)
+    step(full, records["after"])
+    _, records["stale_vision"] = rollout(engine, actor, disk_model, batch, seed + 2, pad, skip_vision=True)
 
     gathered = [None] * world
     dist.all_gather_object(gathered, records)
