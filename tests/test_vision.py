@@ -16,6 +16,7 @@ from data import RLHFDataset, collate
 from demo_vl import COLOURS, VL_PROMPT, render_square
 from models import load_model, token_logprobs
 from rollout import responses_to_batch
+from test_vllm import clean_env  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +199,36 @@ def test_geo3k_rows_are_verls_and_load_with_their_images(processor, tmp_path):
     item = RLHFDataset(paths["test"], processor.tokenizer, max_prompt_length=256, processor=processor)[0]
     assert item["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert item["data_source"] == "hiyouga/geometry3k"
+
+
+def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, tmp_path):
+    """geo3k_vl.yaml holds the seed's example values (Qwen2.5-VL-32B on geometry3k); its paths point at this host."""
+    import subprocess
+    import sys
+    from demo_vl import vl_demo_rows
+    from launch import ROOT
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(vl_demo_rows("train", 64)), data)
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(ROOT / "geo3k_vl.yaml"),
+                          "--print-config", "--world-size", "8", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+                          f"data.train_files={data}", f"data.val_files={data}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout
+    assert "disable_mm_preprocessor_cache: true" in printed and "image_key: images" in printed
+    assert "responses per step 128 (train_batch_size x n), per rank 16" in printed
+    # 64 rows / 32 prompts = 2 steps per epoch x 5 epochs
+    assert "training steps 10" in printed
+
+
+def test_vllm_engine_gets_the_multimodal_arguments_and_the_checkpoint(tiny_vl_dir, tiny_model_dir, tmp_path,
+                                                                      clean_env):
+    from rollout import vllm_engine_kwargs
+    from test_vllm import vllm_config
+    cfg = vllm_config(tiny_vl_dir, tmp_path, "engine_kwargs.vllm.disable_mm_preprocessor_cache=true",
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.limit_mm_per_prompt={image: 2}")
+    kwargs = vllm_engine_kwargs(cfg, torch.device("cpu"))
+    assert kwargs["mm_processor_cache_gb"] == 0 and kwargs["limit_mm_per_prompt"] == {"image": 2}
+    # a VL checkpoint is loaded even with the dummy_dtensor default; a text model keeps dummy weights
+    assert kwargs["load_format"] == "auto"
+    assert vllm_engine_kwargs(vllm_config(tiny_model_dir, tmp_path), torch.device("cpu"))["load_format"] == "dummy"
