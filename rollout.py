@@ -80,7 +80,8 @@ class HFRollout:
         self.model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
-        self.eos_ids = eos_token_ids(tokenizer, self.model.generation_config)
+        self.eos_ids = sorted({*eos_token_ids(tokenizer, self.model.generation_config),
+                               *vision.special_token_ids(self.model.config)})
 
     @torch.no_grad()
     def sync_weights(self, named_tensors):
@@ -162,7 +163,10 @@ class VLLMRollout:
                               f"({err}); {SETUP_HINT}, or set actor_rollout_ref.rollout.name=hf") from err
         self.device = device
         self.sleeps = bool(rollout.free_cache_engine) and device.type != "cpu"
-        self.eos_ids = eos_token_ids(tokenizer, _generation_config(model.path))
+        from transformers import AutoConfig
+        model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        self.eos_ids = sorted({*eos_token_ids(tokenizer, _generation_config(model.path)),
+                               *vision.special_token_ids(model_config)})
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
             self.llm = vllm.LLM(**kwargs)

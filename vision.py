@@ -53,6 +53,16 @@ def load_processor(path, trust_remote_code=False):
     return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def special_token_ids(config):
+    """A vision-language model's image/video placeholder and boundary tokens ([] for a text model). The rollout
+    ends a response at any of them, like at EOS: a generated placeholder would claim image features that do not
+    exist in the training forward (and mean nothing in a response)."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    if not is_vision_language(config):
+        return []
+    return [getattr(config, name) for name in names if getattr(config, name, None) is not None]
+
+
 def vision_blocks(model):
     """The vision tower's transformer blocks (FSDP2 shards them one by one, like the decoder layers); [] for a
     text model."""
@@ -188,23 +198,37 @@ def rope_positions(model, input_ids, attention_mask, image_grid_thw):
 
 
 def forward_kwargs(model, batch, packed_indices=None, packed_positions=None):
-    """Extra model arguments for a vision-language micro-batch ({} for a text model or batch): pixel_values,
-    image_grid_thw and the rope positions. Padded: position_ids [3, b, L]. Packed (packed_indices [nnz] into the
-    flattened [b*L], packed_positions [1, nnz] the 1-D positions that restart per sequence): [4, 1, nnz], the 1-D
-    row first (transformers builds the per-sequence attention mask from it)."""
+    """Model arguments for a vision-language micro-batch ({} for a text model), overriding the text ones:
+    pixel_values, image_grid_thw, input_ids (response_placeholders_masked) and the rope positions. Padded:
+    position_ids [3, b, L]. Packed (packed_indices [nnz] into the flattened [b*L], packed_positions [1, nnz] the
+    1-D positions that restart per sequence): [4, 1, nnz], the 1-D row first (transformers builds the
+    per-sequence attention mask from it)."""
     if not is_vision_language(model.config):
         return {}
     inputs = concat_inputs(batch.get("multi_modal_inputs") or [])
-    device = batch["input_ids"].device
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    positions = rope_positions(model, batch["input_ids"], batch["attention_mask"],
-                               inputs.get("image_grid_thw"))             # [3, b, L]
+    input_ids = response_placeholders_masked(model.config, batch["input_ids"], batch["responses"].shape[1])
+    inputs = {k: v.to(input_ids.device) for k, v in inputs.items()}
+    positions = rope_positions(model, input_ids, batch["attention_mask"], inputs.get("image_grid_thw"))   # [3, b, L]
     if packed_indices is not None:
         positions = positions.reshape(3, -1)[:, packed_indices].unsqueeze(1)     # [3, 1, nnz]
         positions = torch.cat([packed_positions.unsqueeze(0), positions])         # [4, 1, nnz]
+        input_ids = input_ids.reshape(-1)[packed_indices].unsqueeze(0)            # [1, nnz]
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
-    return {**inputs, "position_ids": positions}
+    return {**inputs, "input_ids": input_ids, "position_ids": positions}
+
+
+def response_placeholders_masked(config, input_ids, response_len):
+    """input_ids [b, L] with image/video placeholders in the response replaced by a text token. The rollout ends a
+    response at one (special_token_ids), so it is the last token: its log-prob is read from the position before,
+    and no later position sees its embedding; left as is, the model would look for image features for it."""
+    response = input_ids[:, input_ids.shape[1] - response_len:]
+    placeholder = torch.isin(response, torch.tensor(special_token_ids(config), device=input_ids.device))
+    if not placeholder.any():
+        return input_ids
+    out = input_ids.clone()
+    out[:, input_ids.shape[1] - response_len:] = response.masked_fill(placeholder, 0)
+    return out
 
 
 def generate_kwargs(model, input_ids, multi_modal_inputs):

@@ -132,9 +132,12 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     batch = collate(rows)
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(10, 300, (n,), generator=generator).tolist() for n in (5, 8, 3)]
-    eos = processor.tokenizer.eos_token_id
-    full = {**batch, **responses_to_batch(batch, responses, 8, processor.tokenizer.pad_token_id, [eos])}
     model = load_model(tiny_vl_dir).eval()
+    # the rollout ends a response at a generated image placeholder, as at EOS (row 2 ends with one)
+    stops = [processor.tokenizer.eos_token_id, *vision.special_token_ids(model.config)]
+    responses[2][-1] = model.config.image_token_id
+    full = {**batch, **responses_to_batch(batch, responses, 8, processor.tokenizer.pad_token_id, stops)}
+    assert full["response_mask"][2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     with torch.no_grad():
         padded, _ = token_logprobs(model, full, use_remove_padding=False)
@@ -142,15 +145,16 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     mask = full["response_mask"].bool()
     assert float((padded - packed)[mask].abs().max()) < 1e-5
 
-    # independent: the model on each unpadded sequence, with the processor's inputs and its own positions
+    # independent: the model on each unpadded sequence (the last response token is only a label), with the
+    # processor's inputs and its own positions
     for i, row in enumerate(rows):
         prompt = row["input_ids"][row["attention_mask"].bool()]
-        ids = torch.cat([prompt, torch.tensor(responses[i])]).unsqueeze(0)
+        ids = torch.cat([prompt, torch.tensor(responses[i][:-1])]).unsqueeze(0)
         kwargs = dict(row.get("multi_modal_inputs") or {})
         if kwargs:
             kwargs["mm_token_type_ids"] = vision.token_types(model.config, ids)
         with torch.no_grad():
-            logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1:-1]
+            logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1:]
         expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(responses[i]).unsqueeze(1))[:, 0]
         assert torch.allclose(padded[i, :len(responses[i])], expected, atol=1e-5), i
 

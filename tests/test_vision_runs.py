@@ -42,7 +42,8 @@ def test_vllm_follows_the_actor_on_image_prompts(tiny_vl_dir, vl_data, tmp_path)
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
 def grpo_vl_run(request, tiny_vl_dir, vl_data, tmp_path_factory):
-    """Two GRPO steps of the tiny VL model on 2 ranks, validation before and after, a checkpoint at the end."""
+    """Two GRPO steps of the random tiny VL model on 2 ranks, validation before and after, a checkpoint at the
+    end."""
     out = tmp_path_factory.mktemp(f"vl_{request.param}")
     torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
              f"data.train_files={vl_data}/train.parquet", f"data.val_files={vl_data}/test.parquet",
@@ -53,6 +54,8 @@ def grpo_vl_run(request, tiny_vl_dir, vl_data, tmp_path_factory):
              "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+             # the random model earns no reward yet: the entropy bonus gives every step a gradient through the images
+             "actor_rollout_ref.actor.entropy_coeff=0.01",
              "engine_kwargs.vllm.disable_mm_preprocessor_cache=true")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"engine": request.param, "dir": out, "rows": rows}
