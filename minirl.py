@@ -5,6 +5,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
 
     torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
+    python minirl.py --config config.yaml --to-verl            # the same run as a verl command line
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
     python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
 
@@ -17,7 +18,8 @@ One training step, in verl's order (see `train_step`):
     6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
-Models and their updates live in models.py, generation in rollout.py, checkpoints in checkpoint.py.
+Models and their updates live in models.py (the loss itself in losses.py), generation in rollout.py, rows and
+who holds them in batch.py, checkpoints in checkpoint.py.
 
 Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
 (all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
@@ -47,15 +49,18 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import checkpoint
+import failures
 import losses
 import vision
-from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
-                    total_training_steps)
+from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
+                   repeat_interleave, rows_of_rank, take)
+from batch_plan import batch_plan, format_plan, total_training_steps
+from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
+                    to_verl)
 from data import PromptLoader, RLHFDataset, collate
-from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
-                    take)
-from rewards import load_reward_fn, score_responses, token_level_scores
-from rollout import Sampling, build_rollout, gather_tp_groups, pad_logprobs, responses_to_batch, rollout_probs_diff
+from models import Critic, Policy, RewardModel, full_state_dict_items
+from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
+from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -97,7 +102,8 @@ def init_distributed(device_type, backend):
         device = torch.device(device_type, local_rank)
         getattr(torch, device_type).set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
+        failures.watch_parent()
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -153,10 +159,8 @@ def resolve_paths(cfg):
     cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
     for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
                    "reward_model.model.path"):
-        *parents, key = dotted.split(".")
-        section = cfg
-        for part in parents:
-            section = section[part]
+        parent, key = dotted.rsplit(".", 1)
+        section = get_dotted(cfg, parent)
         value = section[key]
         if not value:
             continue
@@ -164,24 +168,6 @@ def resolve_paths(cfg):
             section[key] = [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
         except (RuntimeError, OSError) as err:
             raise ConfigError(f"'{dotted}': {err}") from err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The batch: a dict of tensors [B, ...] plus python lists [B] (uid, data_source, reward_model, ...)
-
-
-def batch_size_of(batch):
-    return len(batch["uid"]) if "uid" in batch else len(next(iter(batch.values())))
-
-
-def repeat_interleave(batch, n):
-    """Each prompt n times in a row: p0,p0,..,p1,p1,.. (verl's repeat(interleave=True))."""
-    return take(batch, [i for i in range(batch_size_of(batch)) for _ in range(n)])
-
-
-def all_gather_rows(tensor, world_size):
-    """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
-    return gather_tp_groups(tensor, world_size, tp_size=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,12 +231,23 @@ class Tracker:
 
 
 def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place)."""
+    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
+    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
-    if len(kept) < len(lines):
+    text = path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
+                  file=sys.stderr, flush=True)
+            continue
+        if keep:
+            kept.append(line)
+    if len(kept) < len(lines) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
@@ -314,7 +311,8 @@ class Trainer:
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
         if device_type == "cpu":        # share the cores between the ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))   # on this node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
@@ -326,7 +324,7 @@ class Trainer:
                               image_key=data.image_key, video_key=data.video_key, processor=processor,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template)
+                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -337,6 +335,9 @@ class Trainer:
                               f"({len(self.train_set)} prompts after filtering)")
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
+            rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
+            check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
@@ -359,8 +360,7 @@ class Trainer:
         With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens)."""
         tp = self.rollout.tp_size
         dp_rank, dp_size = self.rank // tp, self.world_size // tp
-        share = batch_size_of(batch) // dp_size
-        mine = list(range(dp_rank * share, (dp_rank + 1) * share))
+        mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
         multi_modal = vision.rollout_inputs(batch, mine)            # None without images
@@ -391,11 +391,16 @@ class Trainer:
             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                    batch["extra_info"])
+                                    batch["extra_info"], batch["origin"])
         return torch.tensor(scores, dtype=torch.float32)
 
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):
+        """One step, in verl's order (the numbered phases below). Who holds which rows: every rank holds the full
+        batch, computes on its own rows (`local`, rows `mine` of the rank-major batch: batch.rows_of_rank), then
+        gathers the results (batch.all_gather_rows) so every rank holds the full batch again. Generation, rewards
+        and the forward passes run on a rank's own rows; advantages run on the full batch (a group may span
+        ranks); the updates run on a rank's own rows with the loss normalised over all ranks (losses.agg_loss)."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timings, metrics = {}, {}
 
@@ -412,18 +417,9 @@ class Trainer:
                     batch["reward_baselines"] = self.greedy_baselines(prompt_batch)      # [B]
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
-            lengths = batch["attention_mask"].sum(-1).tolist()
-            if cfg.trainer.balance_batch:
-                parts = balanced_partitions(lengths, self.world_size, equal_size=True)
-                metrics.update(seqlen_metrics(lengths, parts))
-            else:
-                share = len(lengths) // self.world_size
-                parts = [list(range(r * share, (r + 1) * share)) for r in range(self.world_size)]
-            order = [i for part in parts for i in part]
-            batch = take(batch, order)                                                  # full batch, rank-major
-            share = len(order) // self.world_size
-            mine = list(range(self.rank * share, (self.rank + 1) * share))
-            local = take(batch, mine)
+            batch, mine, local, seqlen = balance_and_shard(batch, self.rank, self.world_size,
+                                                           cfg.trainer.balance_batch)
+            metrics.update(seqlen)
 
             # 4. rewards: the score sits on the last response token
             with timer("reward", timings):
@@ -469,7 +465,8 @@ class Trainer:
                     gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
                 local["advantages"], local["returns"] = batch["advantages"][mine], batch["returns"][mine]
 
-            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl)
+            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl); each is
+            #    models.Worker.optimize with losses.critic_loss / losses.actor_loss on every micro-batch
             if self.critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(self.critic.update(local, self.dp))
@@ -502,9 +499,8 @@ class Trainer:
         sampling = Sampling.from_config(self.cfg.actor_rollout_ref.rollout)
         sampling.do_sample = False
         greedy = self.generate(prompt_batch, sampling, "gen_max")
-        share = batch_size_of(greedy) // self.world_size
-        return all_gather_rows(self.score(take(greedy, list(range(self.rank * share, (self.rank + 1) * share)))),
-                               self.world_size)
+        mine = rows_of_rank(batch_size_of(greedy), self.rank, self.world_size)
+        return all_gather_rows(self.score(take(greedy, mine)), self.world_size)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self):
@@ -518,8 +514,7 @@ class Trainer:
         pad = (-total) % self.world_size                  # pad to a multiple of the world size, as verl does
         batch = take(batch, list(range(total)) + [total - 1] * pad)
         batch = self.generate(batch, Sampling.from_config(arr.rollout, validate=True), "val")
-        share = batch_size_of(batch) // self.world_size
-        local = take(batch, list(range(self.rank * share, (self.rank + 1) * share)))
+        local = take(batch, rows_of_rank(batch_size_of(batch), self.rank, self.world_size))
         scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
             self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores)
@@ -588,8 +583,9 @@ class Trainer:
             + (" (trainer.resume_mode=auto resumes from it)" if last_good else ""))
 
     def close(self):
-        """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
-        process group, so it comes after the last collective."""
+        """After a successful run only (a failed one ends in failures.exit_now): flush the logs, wait for every
+        rank, then stop the rollout engine: vLLM's shutdown destroys the default process group, so it comes after
+        the last collective."""
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
@@ -614,15 +610,6 @@ def validation_metrics(scores, sources, n):
             metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(group.min(axis=1).mean())
             metrics[f"val-aux/{source}/reward/std@{n}"] = float(group.std(axis=1).mean())
     return metrics
-
-
-def seqlen_metrics(lengths, parts):
-    per_rank = [sum(lengths[i] for i in part) for part in parts]
-    chunk = len(lengths) // len(parts)
-    before = [sum(lengths[r * chunk:(r + 1) * chunk]) for r in range(len(parts))]
-    return {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
-            "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(per_rank),
-            "global_seqlen/balanced_max": max(per_rank), "global_seqlen/mean": float(np.mean(before))}
 
 
 def timing_metrics(timings, batch, world_size):
@@ -678,10 +665,15 @@ def plot(run_dir, out=None):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="Overrides: key.path=value, with or without 'backend_config.'")
+                                     epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
+                                            "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
-    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
+    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
+                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1); with --to-verl: "
+                        "trainer.n_gpus_per_node when it is null")
+    parser.add_argument("--to-verl", action="store_true",
+                        help="print verl's command line (python3 -m verl.trainer.main_ppo ...) for the resolved config")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
     parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
                         help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
@@ -690,15 +682,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def print_config(cfg, world_size):
+def print_config(cfg, world_size, source):
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(f"planning for world size {world_size} ({source})")
     plan = batch_plan(cfg, world_size)
     steps = None
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
-    except (OSError, ImportError):
+    except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
     print(format_plan(plan, steps))
 
@@ -715,36 +708,38 @@ def main(argv=None):
             print(f"checkpoint error: {err}", file=sys.stderr)
             return 2
         return 0
-    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, world_size=world_size)
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
         if args.print_config:
-            print_config(cfg, world_size)
+            print_config(cfg, *planning_world_size(cfg, args.world_size))
+            return 0
+        if args.to_verl:
+            print(to_verl(cfg, args.world_size), end="")
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             for warning in settings_without_effect(cfg):
                 print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
+            print(f"config error: {err}", file=sys.stderr)
         return 2
+    return train(cfg)
+
+
+def train(cfg):
+    """Set up and train. Any failure on any rank (an exception, Ctrl-C) is printed once and ends this process
+    at once, without the closing barrier the other ranks would never reach (failures.py); torchrun then stops
+    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted."""
+    known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
+    trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as err:       # bad data or model files, found while setting up
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except checkpoint.CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
-    try:
+        expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
-    except TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    finally:
-        trainer.close()
+    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
+        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+        return failures.exit_now(failures.report(err, rank, expected))
+    trainer.close()
     return 0
 
 

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
 from minirl import Policy, init_distributed, seed_everything  # noqa: E402
-from models import full_state_dict_items, load_model, take, token_logprobs  # noqa: E402
+from batch import take  # noqa: E402
+from models import full_state_dict_items, load_model, token_logprobs  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config  # noqa: E402
 
