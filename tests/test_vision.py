@@ -3,6 +3,7 @@ bad rows, and the training forward (padded, packed) against a plain forward of t
 (The VL runs under torchrun, with both engines: test_vision_runs.py.)
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision.py -q"""
 
+import importlib.util
 import io
 import json
 
@@ -17,6 +18,10 @@ from demo_vl import COLOURS, VL_PROMPT, render_square
 from models import load_model, token_logprobs
 from rollout import responses_to_batch
 from test_vllm import clean_env  # noqa: F401  (fixture)
+
+# transformers' Qwen2-VL processors import torchvision; setup.sh installs it (an older .venv may lack it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                reason="torchvision is not installed: re-run `bash setup.sh`")
 
 
 @pytest.fixture(scope="module")

