@@ -218,7 +218,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)
         # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
-        processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
+        self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
                               image_key=data.image_key, video_key=data.video_key, processor=processor,
@@ -453,7 +453,8 @@ class Trainer:
                     metrics["timing_s/testing"] = time.perf_counter() - start
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader,
+                                    self.processor or self.tokenizer, self.stateful)    # VL: the processor too
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.loader.epoch

@@ -78,6 +78,10 @@ def test_grpo_vl_trains_with_both_engines(grpo_vl_run, tiny_vl_dir):
             assert row["training/rollout_probs_diff_max"] < 1e-4
     from models import load_model
     start = load_model(tiny_vl_dir).state_dict()
-    trained = checkpoint.consolidate(grpo_vl_run["dir"] / "checkpoints" / "global_step_2")
+    step_dir = grpo_vl_run["dir"] / "checkpoints" / "global_step_2"
+    trained = checkpoint.consolidate(step_dir)
     visual = [name for name in trained if ".visual." in name]
     assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
+    # the checkpoint's Hugging Face folder keeps the processor (image processor + chat template), not only the
+    # tokenizer, so an export loads as a VL model again
+    assert (step_dir / "actor" / "huggingface" / "preprocessor_config.json").is_file()
