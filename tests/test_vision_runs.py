@@ -84,4 +84,4 @@ def test_grpo_vl_trains_with_both_engines(grpo_vl_run, tiny_vl_dir):
     assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
     # the checkpoint's Hugging Face folder keeps the processor (image processor + chat template), not only the
     # tokenizer, so an export loads as a VL model again
-    assert (step_dir / "actor" / "huggingface" / "preprocessor_config.json").is_file()
+    assert (step_dir / "actor" / "huggingface" / "processor_config.json").is_file()
