@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import lora
 import losses
+import vision
 from attention import attention_backend
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
 from config import ConfigError
@@ -36,14 +37,17 @@ from losses import entropy_from_logits, logprobs_from_logits
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,
                gradient_checkpointing=False, attn_implementation="sdpa"):
-    """A Hugging Face model from a local folder: kind 'causal' (actor/ref), 'token_cls' (critic, 1 label),
-    'seq_cls' (reward model, 1 label). A causal-LM checkpoint loaded as token_cls gets a fresh value head."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification)
+    """A Hugging Face model from a local folder: kind 'causal' (actor/ref; a vision-language checkpoint loads with
+    its vision tower), 'token_cls' (critic, 1 label), 'seq_cls' (reward model, 1 label). A causal-LM checkpoint
+    loaded as token_cls gets a fresh value head."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    loader = {"causal": AutoModelForCausalLM, "token_cls": AutoModelForTokenClassification,
+    if kind != "causal" and vision.is_vision_language(config):
+        raise ConfigError(f"'{path}' is a vision-language model; minirl has no value or reward head for one yet: "
+                          f"use a critic-free estimator (algorithm.adv_estimator=grpo) and a rule reward")
+    loader = {"causal": vision.causal_lm_class(config), "token_cls": AutoModelForTokenClassification,
               "seq_cls": AutoModelForSequenceClassification}[kind]
     if kind != "causal":
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
@@ -59,22 +63,27 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
     return model
 
 
+def unwrapped(model):
+    """The Hugging Face model under peft's LoRA wrapper (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder(model):
-    """The decoder of a Hugging Face model (embeddings, blocks, final norm: what the head reads), under peft's
+    """The base model of a Hugging Face model (embeddings, blocks, final norm: what the head reads), under peft's
     LoRA wrapper too."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
+    model = unwrapped(model)
     return getattr(model, model.base_model_prefix, model)
 
 
 def decoder_layers(model):
     """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one), under peft's LoRA
-    wrapper too."""
-    layers = getattr(decoder(model), "layers", None)
+    wrapper too: the decoder layers, and a vision-language model's vision blocks too."""
+    model = unwrapped(model)
+    layers = getattr(vision.language_model(model), "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .{model.base_model_prefix}"
                          ".layers); minirl shards per decoder layer")
-    return list(layers)
+    return list(layers) + vision.vision_blocks(model)
 
 
 def shard_fsdp2(model, mixed_precision=False):
@@ -124,15 +133,18 @@ def _pack(input_ids, attention_mask, position_ids):
     return ids, pos, indices, varlen
 
 
-def _model_inputs(batch, use_remove_padding):
-    """The model's keyword inputs, and a map from flat positions in [b*L] to positions of the model's output
-    (packed: the index among valid tokens; padded: the same position)."""
+def _model_inputs(model, batch, use_remove_padding):
+    """The model's keyword inputs (a vision-language model's images and rope positions too: vision.py), and a map
+    from flat positions in [b*L] to positions of the model's output (packed: the index among valid tokens;
+    padded: the same position)."""
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     if not use_remove_padding:
-        return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids), None
-    ids, pos, _, varlen = _pack(input_ids, attention_mask, position_ids)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                **vision.forward_kwargs(model, batch)}, None          # images: + pixels, rope positions [3, b, L]
+    ids, pos, indices, varlen = _pack(input_ids, attention_mask, position_ids)
     packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
-    return dict(input_ids=ids, position_ids=pos, **varlen), packed_index
+    return {"input_ids": ids, "position_ids": pos, **varlen,           # images: + pixels, rope positions [4, 1, nnz]
+            **vision.forward_kwargs(model, batch, indices, pos)}, packed_index
 
 
 def response_predicting_positions(attention_mask, response_len):
@@ -215,7 +227,7 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
     shape = (input_ids.shape, batch["responses"].shape[1])
     keep = response_predicting_positions(attention_mask, shape[1])        # [n] flat positions in [b*L]
     labels = input_ids.reshape(-1)[keep + 1]                              # [n] the response token each predicts
-    inputs, to_output = _model_inputs(batch, use_remove_padding)
+    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
     head_fn = logprob_head(model, labels, temperature, calc_entropy,
                            kernels or (logprobs_from_logits, entropy_from_logits), entropy_grad)
     logp, entropy = forward_kept(model, inputs, keep if to_output is None else to_output[keep], head_fn)
@@ -226,7 +238,7 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
 def head_outputs(model, batch, keep, use_remove_padding=True):
     """The one-output head of a critic or reward model (token classification, 1 label) at flat positions
     `keep` [n] of [b*L]: [n] fp32, packed or padded like token_logprobs."""
-    inputs, to_output = _model_inputs(batch, use_remove_padding)
+    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
     return forward_kept(model, inputs, keep if to_output is None else to_output[keep])[:, 0].float()
 
 

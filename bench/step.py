@@ -190,7 +190,7 @@ def attention_table(batch, repeats, with_flex, heads=2, head_dim=32):
 
 def logprobs_before_slicing(model, batch):
     """What the log-prob pass did before: logits and entropy at every position, then the response slice."""
-    inputs, _ = _model_inputs(batch, True)
+    inputs, _ = _model_inputs(model, batch, True)
     logits = model(**inputs, use_cache=False).logits[0].float() / 1.0               # [nnz, V]
     labels = torch.roll(batch["input_ids"], -1, 1).reshape(-1)[batch["attention_mask"].reshape(-1).bool()]
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
