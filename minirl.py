@@ -51,8 +51,10 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import failures
+import flops
 import losses
 import offpolicy
+import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
@@ -221,9 +223,11 @@ class Trainer:
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)
+        # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
+        self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
-                              image_key=data.image_key,
+                              image_key=data.image_key, video_key=data.video_key, processor=processor,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
                               chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
@@ -253,6 +257,7 @@ class Trainer:
         # split devices: the rollout ranks generate, one step ahead; the pipeline stands in for the engine here
         self.pipeline = offpolicy.Pipeline(self, bridge, self.seed_of) if offpolicy.rollout_ranks(cfg) else None
         self.rollout = self.pipeline or build_rollout(cfg, self.tokenizer, self.device)
+        self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
@@ -275,7 +280,9 @@ class Trainer:
         mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         sync_rollout(self.actor, self.rollout)                                 # the weights move here, every call
         seed = self.seed_of(self.global_step, dp_rank, seed_purpose)
-        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
+        multi_modal = vision.rollout_inputs(batch, mine)            # None without images
+        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed,
+                                                 **({"multi_modal": multi_modal} if multi_modal else {}))
         self.rollout.sleep()                                                   # and the memory goes back here
         pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
         local = responses_to_batch(take(batch, mine), tokens, length, pad, eos)
@@ -343,18 +350,14 @@ class Trainer:
                 scores = all_gather_rows(self.score(local), self.world_size)             # [B]
                 batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
 
-            # 5. log-probs of the sampling policy, and of the reference
-            with timer("old_log_prob", timings):
-                local["old_log_probs"], entropy = self.actor.compute_log_prob(
-                    local, self.plan["old_log_prob_micro_batch"], arr.rollout.log_prob_use_dynamic_bsz,
-                    arr.rollout.log_prob_max_token_len_per_gpu, arr.rollout.temperature, calc_entropy=True)
-                mask = local["response_mask"].float()
-                ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
-                metrics["actor/entropy"] = ent_sum / max(tok, 1.0)
-                batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)   # [B, R]
-                if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
-                    metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
-                                                      batch["response_mask"]))
+            # 5. log-probs of the sampling policy (unless the update's own are provably equal), of the reference
+            on_policy = update_is_on_policy(cfg, self.global_step)
+            if not on_policy:
+                with timer("old_log_prob", timings):
+                    local["old_log_probs"], entropy = self.actor.compute_log_prob(
+                        local, self.plan["old_log_prob_micro_batch"], arr.rollout.log_prob_use_dynamic_bsz,
+                        arr.rollout.log_prob_max_token_len_per_gpu, arr.rollout.temperature, calc_entropy=True)
+                    metrics.update(self.record_old_log_probs(batch, local, entropy))
             if self.ref is not None:
                 with timer("ref", timings):
                     local["ref_log_prob"], _ = self.ref.compute_log_prob(
@@ -389,12 +392,33 @@ class Trainer:
                     metrics.update(self.critic.update(local, self.dp))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
-                    metrics.update(self.actor.update(local, self.dp))
+                    metrics.update(self.actor.update(local, self.dp, on_policy=on_policy))
+                if on_policy:                    # the update's first forward gave the sampling policy's log-probs
+                    local["old_log_probs"], entropy = self.actor.on_policy_outputs
+                    metrics.update(self.record_old_log_probs(batch, local, entropy))
+                if self.peak_flops:              # verl's perf/mfu/actor, where the device's peak is known
+                    work = arr.actor.ppo_epochs * flops.training_flops(
+                        self.actor.model.config, batch["attention_mask"].sum(-1).tolist(),
+                        int(batch["response_mask"].sum()))
+                    metrics["perf/mfu/actor"] = flops.mfu(work, timings["update_actor"], self.peak_flops,
+                                                          self.world_size)
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir and self.rank == 0:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
+        return metrics
+
+    def record_old_log_probs(self, batch, local, entropy):
+        """Gather this rank's old log-probs into the full batch; metrics: actor/entropy (over all ranks' response
+        tokens) and, with vLLM, its log-probs against the actor's (training/rollout_probs_diff_*)."""
+        mask = local["response_mask"].float()
+        ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
+        metrics = {"actor/entropy": ent_sum / max(tok, 1.0)}
+        batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)    # [B, R]
+        if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
+            metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
+                                              batch["response_mask"]))
         return metrics
 
     def dump_generations(self, folder, batch, scores):
@@ -470,7 +494,8 @@ class Trainer:
                     start = time.perf_counter()
                     if self.pipeline is not None:
                         self.pipeline.settle()        # the batch in flight goes into the checkpoint
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader,
+                                    self.processor or self.tokenizer, self.stateful)    # VL: the processor too
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
@@ -512,6 +537,17 @@ class Trainer:
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def update_is_on_policy(cfg, global_step):
+    """Whether the actor's update provably starts from the weights that sampled and takes no optimizer step
+    before its last forward, so its own log-probs (detached) are the old log-probs and their separate pass can be
+    skipped: one PPO epoch, the whole batch as one mini-batch, the actor updating this step (critic_warmup), and
+    no KL in the reward (that needs the old log-probs before the update). verl recomputes them always; the
+    result is the same up to fp32 rounding (tests/test_trainer.py)."""
+    actor = cfg.actor_rollout_ref.actor
+    return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+            and global_step >= cfg.trainer.critic_warmup and not cfg.algorithm.use_kl_in_reward)
 
 
 def sync_rollout(actor, engine):
