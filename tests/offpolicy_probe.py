@@ -8,6 +8,7 @@
     torchrun --nproc_per_node 1 tests/offpolicy_probe.py replay RECORD.pt OUT.pt key=value ...
         a colocated run whose generation returns RECORD's batches, one per step; writes the final weights to OUT.pt
 """
+import copy
 import sys
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def record(out_path, *overrides):
     def recording_next_batch(self, timings):
         weights = snapshot(self.trainer.actor.model)          # the trainer's weights as it takes the batch
         batch = next_batch(self, timings)
-        steps.append({"step": self.trainer.global_step, "batch": dict(batch), "weights": weights})
+        kept = {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in batch.items()}   # as taken
+        steps.append({"step": self.trainer.global_step, "batch": kept, "weights": weights})
         return batch
 
     def recording_close(self):
