@@ -6,7 +6,8 @@
         policy that generated them). Trainer rank 0 writes OUT.pt: per step the batch it trained on and the actor's
         weights when it took the batch, and the final weights.
     torchrun --nproc_per_node 1 tests/offpolicy_probe.py replay RECORD.pt OUT.pt key=value ...
-        a colocated run whose generation returns RECORD's batches, one per step; writes the final weights to OUT.pt
+        a colocated run whose generation returns RECORD's batches, one per step, with the recorded run's trainer
+        thread count; writes the final weights to OUT.pt
 """
 import copy
 import sys
@@ -58,7 +59,7 @@ def record(out_path, *overrides):
     def recording_close(self):
         final = snapshot(self.actor.model)
         if self.rank == 0:
-            torch.save({"steps": steps, "final": final}, out_path)
+            torch.save({"steps": steps, "final": final, "threads": torch.get_num_threads()}, out_path)
         close(self)
 
     offpolicy.Pipeline.next_batch = recording_next_batch
@@ -67,8 +68,13 @@ def record(out_path, *overrides):
 
 
 def replay(record_path, out_path, *overrides):
-    batches = [s["batch"] for s in torch.load(record_path, weights_only=False)["steps"]]
-    generate, close = minirl.Trainer.generate, minirl.Trainer.close
+    recorded = torch.load(record_path, weights_only=False)
+    batches = [s["batch"] for s in recorded["steps"]]
+    generate, close, init = minirl.Trainer.generate, minirl.Trainer.close, minirl.Trainer.__init__
+
+    def init_with_the_recorded_threads(self, cfg):
+        init(self, cfg)
+        torch.set_num_threads(recorded["threads"])     # CPU float sums depend on the thread count
 
     def replaying_generate(self, batch, sampling, purpose):
         if purpose != "train":
@@ -82,6 +88,7 @@ def replay(record_path, out_path, *overrides):
         close(self)
 
     minirl.Trainer.generate = replaying_generate
+    minirl.Trainer.__init__ = init_with_the_recorded_threads
     minirl.Trainer.close = recording_close
     return minirl.main(["--config", str(ROOT / "config.yaml"), *overrides])
 
