@@ -8,6 +8,7 @@ Library use (the trainer in minirl.py does this):
 
 Command line:
     python data.py gsm8k --input ../shared/data/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
+    python data.py gsm8k --multiturn --input DIR --out DIR                # verl's gsm8k_multiturn_w_tool.py
     python data.py demo --out demo                                        # tiny model + addition task
 From python: make_demo_assets(out_dir), build_tokenizer(out_dir), build_tiny_model(tokenizer, kind).
 
@@ -45,6 +46,13 @@ CHAT_TEMPLATE = (
 )
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# verl examples/data_preprocess/gsm8k_multiturn_w_tool.py: backticks, and a system prompt naming the tool
+GSM8K_MULTITURN_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+GSM8K_MULTITURN_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step by "
+    "step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving the "
+    "question, before generate final answer at least once and refine your answer if necessary. Put your final "
+    "answer in the format of `#### <answer>`.")
 GSM8K_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 DEMO_PROMPT = "What is {a} + {b}? Answer with #### and the number."
@@ -97,7 +105,7 @@ class RLHFDataset:
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
                  prompt_key="prompt", image_key="images", return_raw_chat=False, chat_template=None,
-                 processor=None):
+                 processor=None, tools=None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if processor is not None:
@@ -112,6 +120,7 @@ class RLHFDataset:
         self.image_key = image_key
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
+        self.tools = tools              # tool schemas for the chat template (multi-turn rollouts)
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
         self.rows, self.origins = [], []
         for path in _as_path_list(files):
@@ -164,7 +173,7 @@ class RLHFDataset:
 
     def _prompt_ids(self, row):
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
-                                                  add_generation_prompt=True, tokenize=False)
+                                                  tools=self.tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def __len__(self):
@@ -308,9 +317,18 @@ def gsm8k_ground_truth(answer):
     return match.group(1).replace(",", "")
 
 
-def gsm8k_row(example, split, index):
-    """One verl-format row from a GSM8K {question, answer} example."""
+def gsm8k_row(example, split, index, multiturn=False):
+    """One verl-format row from a GSM8K {question, answer} example; multiturn: verl's gsm8k_multiturn_w_tool.py
+    row (system prompt, backtick instruction, the ground truth in tools_kwargs for the calc_gsm8k_reward tool)."""
     question, answer = example["question"], example["answer"]
+    if multiturn:
+        row = gsm8k_row(example, split, index)
+        truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
+        row["prompt"] = [{"role": "system", "content": GSM8K_MULTITURN_SYSTEM}, {"role": "user", "content": asked}]
+        row["extra_info"].update(need_tools_kwargs=True,
+                                 tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                                 interaction_kwargs={"query": asked, "ground_truth": truth})
+        return row
     return {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
@@ -335,8 +353,9 @@ def read_gsm8k_split(input_dir, split):
     return [row for path in parquets for row in pq.read_table(path).to_pylist()]
 
 
-def preprocess_gsm8k(input_dir, out_dir):
-    """Write verl-format train.parquet and test.parquet; returns {split: path}."""
+def preprocess_gsm8k(input_dir, out_dir, multiturn=False):
+    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant); returns
+    {split: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -346,7 +365,7 @@ def preprocess_gsm8k(input_dir, out_dir):
             if not {"question", "answer"} <= example.keys():
                 raise ValueError(f"GSM8K {split} example {i} in {input_dir} lacks 'question'/'answer': "
                                  f"{sorted(example)}")
-        rows = [gsm8k_row(example, split, i) for i, example in enumerate(examples)]
+        rows = [gsm8k_row(example, split, i, multiturn) for i, example in enumerate(examples)]
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -561,11 +580,13 @@ def main(argv=None):
     gsm8k = commands.add_parser("gsm8k", help="GSM8K jsonl/parquet -> verl-format train/test.parquet")
     gsm8k.add_argument("--input", required=True, help="folder with train/test .jsonl or .parquet")
     gsm8k.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    gsm8k.add_argument("--multiturn", action="store_true",
+                       help="verl's multi-turn variant: system prompt and tools_kwargs for calc_gsm8k_reward")
     demo = commands.add_parser("demo", help="tiny warmed-up model + addition task parquet")
     demo.add_argument("--out", required=True, help="folder for model/ and data/")
     args = parser.parse_args(argv)
     if args.command == "gsm8k":
-        preprocess_gsm8k(args.input, args.out)
+        preprocess_gsm8k(args.input, args.out, multiturn=args.multiturn)
     else:
         start = time.time()
         paths = make_demo_assets(args.out)
