@@ -99,12 +99,15 @@ class AgentLoop:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- running a batch ------------------------------------------------------------------------------------
-    def run(self, rows, generate, seed):
-        """rows: dicts with raw_prompt_ids, raw_prompt and extra_info. generate: a blocking function from a list
-        of Requests to [(tokens, logprobs or None)] (see engine_generate). Returns one Conversation per row."""
-        conversations = [Conversation(list(row["raw_prompt_ids"]), [dict(m) for m in row["raw_prompt"]],
-                                      _tools_kwargs(row.get("extra_info")), index=i,
-                                      prompt_messages=len(row["raw_prompt"])) for i, row in enumerate(rows)]
+    def run(self, batch, generate, seed):
+        """batch: columns raw_prompt_ids, raw_prompt (the messages) and extra_info (for tools_kwargs), one entry
+        per conversation. generate: a blocking function from a list of Requests to [(tokens, logprobs or None)]
+        (see engine_generate). Returns one Conversation per row."""
+        infos = batch.get("extra_info") or [None] * len(batch["raw_prompt_ids"])
+        conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info), index=i,
+                                      prompt_messages=len(messages))
+                         for i, (ids, messages, info) in enumerate(zip(batch["raw_prompt_ids"], batch["raw_prompt"],
+                                                                       infos))]
         return asyncio.run(self._run(conversations, generate, seed))
 
     async def _run(self, conversations, generate, seed):

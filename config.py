@@ -161,6 +161,7 @@ OPTIONAL_TYPES = {
     "actor_rollout_ref.rollout.max_model_len": int,
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": int,
     "actor_rollout_ref.rollout.multi_turn.max_user_turns": int,
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": str,
 }
 
 CHOICES = {
@@ -172,6 +173,9 @@ CHOICES = {
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
     "actor_rollout_ref.rollout.mode": ("sync", "async"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("strict", "ignore_strippable", "disable"),
     "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
     "algorithm.kl_penalty": KL_PENALTY_KINDS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -185,8 +189,7 @@ LOGGERS = ("console", "tensorboard", "wandb")
 NOT_YET = {
     "actor_rollout_ref.model.lora_rank": (0, "LoRA"),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
-    "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
-    "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (None, "multi-turn interactions"),
     "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),
     "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
@@ -544,6 +547,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_multi_turn(cfg, check_paths)
     if world_size:
         batch_plan(cfg, world_size)  # raises on batch arithmetic that does not divide
     if check_paths:
@@ -593,6 +597,33 @@ def _check_algorithm(cfg):
                    "actor_rollout_ref.actor.ppo_epochs"):
         if _get(cfg, dotted) <= 0:
             raise ConfigError(f"config key '{dotted}' must be positive, got {_get(cfg, dotted)}")
+
+
+def _check_multi_turn(cfg, check_paths=True):
+    """The agent loop's settings, and the tool yaml loaded once (a bad one fails here, before any model loads)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    multi_turn = rollout.multi_turn
+    if not (multi_turn.enable or rollout.mode == "async"):
+        return
+    if not cfg.data.return_raw_chat:
+        raise ConfigError("multi-turn rollouts template the chat messages themselves: set data.return_raw_chat=True")
+    if rollout.ignore_eos:
+        raise ConfigError("actor_rollout_ref.rollout.ignore_eos=True cannot end an assistant turn; leave it False "
+                          "with multi_turn.enable or rollout.mode=async")
+    if rollout.mode == "async" and rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1:
+        raise ConfigError("rollout.mode=async with vLLM needs tensor_model_parallel_size=1 (the ranks of a TP group "
+                          "would have to schedule the same requests at the same moments); use mode=sync")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        if multi_turn[key] < 1:
+            raise ConfigError(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' must be >= 1, "
+                              f"got {multi_turn[key]}")
+    for key in ("max_assistant_turns", "max_user_turns"):
+        if multi_turn[key] is not None and multi_turn[key] < 1:
+            raise ConfigError(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' must be >= 1 or null "
+                              f"(no limit), got {multi_turn[key]}")
+    if multi_turn.tool_config_path and check_paths:
+        from tools import load_tools            # tools.py imports this module
+        load_tools(multi_turn.tool_config_path)
 
 
 def _check_paths(cfg):

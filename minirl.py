@@ -46,6 +46,7 @@ import yaml
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import agent
 import checkpoint
 import losses
 from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
@@ -55,6 +56,7 @@ from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partit
                     take)
 from rewards import load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, gather_tp_groups, pad_logprobs, responses_to_batch, rollout_probs_diff
+from tools import load_tools
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -266,7 +268,7 @@ def stats(prefix, values):
 def data_metrics(batch, response_length):
     """verl's compute_data_metrics over the whole batch (critic/score, critic/advantages, response_length, ...)."""
     mask = batch["response_mask"].bool()
-    resp_len = batch["response_mask"].sum(-1).float()
+    resp_len = batch["attention_mask"][:, -response_length:].sum(-1).float()   # multi-turn: tool tokens count too
     prompt_len = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).float()
     m = {}
     m.update(stats("critic/score", batch["token_level_scores"].sum(-1).tolist()))
@@ -318,12 +320,17 @@ class Trainer:
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)
+        multi_turn = arr.rollout.multi_turn
+        use_agent = multi_turn.enable or arr.rollout.mode == "async"
+        self.tools = load_tools(multi_turn.tool_config_path) if use_agent and multi_turn.tool_config_path else {}
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
                               image_key=data.image_key,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template)
+                              chat_template=arr.model.custom_chat_template,
+                              # the tool schemas go into the chat template (multi-turn)
+                              tools=[dict(t.get_openai_tool_schema()) for t in self.tools.values()] or None)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -342,6 +349,9 @@ class Trainer:
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
+        self.agent = agent.AgentLoop(self.tokenizer, self.tools, multi_turn, arr.rollout.response_length,
+                                     arr.rollout.mode, self.rollout.eos_ids, arr.model.custom_chat_template
+                                     ) if use_agent else None
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
@@ -360,6 +370,8 @@ class Trainer:
         mine = list(range(dp_rank * share, (dp_rank + 1) * share))
         self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
+        if self.agent is not None:          # multi-turn: whole conversations, tool tokens masked out (agent.py)
+            return {**batch, **self.generate_conversations(take(batch, mine), sampling, seed)}
         tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
         self.rollout.sleep()                                                   # and the memory goes back here
         pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
@@ -372,6 +384,17 @@ class Trainer:
             full["rollout_log_probs"] = gather_tp_groups(pad_logprobs(logprobs, length), self.world_size, tp)  # [B, R]
         return {**batch, **full}
 
+    def generate_conversations(self, local, sampling, seed):
+        """This rank's share of rows as conversations -> the full batch's rollout fields on every rank."""
+        engine = agent.engine_generate(self.rollout, sampling, batched=self.cfg.actor_rollout_ref.rollout.name == "vllm")
+        conversations = self.agent.run(local, engine, seed)
+        self.rollout.sleep()
+        rows = agent.conversations_to_batch(local, conversations, sampling.max_tokens, self.tokenizer.pad_token_id,
+                                            local["extra_info"])
+        if self.cfg.actor_rollout_ref.rollout.name != "vllm":
+            del rows["rollout_log_probs"]
+        return agent.gather_rows(rows, self.world_size, self.rollout.tp_size)
+
     def score(self, batch):
         """Scores [b] of this rank's rows: the reward model's when it is enabled (verl's reward manager then uses
         the model score), else the rule (or custom) reward function's."""
@@ -381,9 +404,10 @@ class Trainer:
 
     def rule_scores(self, batch):
         """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
-        texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
-            skip_special_tokens=True)
+        # verl decodes every valid response token: with multi-turn, tool answers included
+        valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]
+        texts = self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(batch["responses"], valid)],
+                                            skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
                                     batch["extra_info"])
@@ -423,7 +447,8 @@ class Trainer:
             # 4. rewards: the score sits on the last response token
             with timer("reward", timings):
                 scores = all_gather_rows(self.score(local), self.world_size)             # [B]
-                batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
+                valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]                 # [B, R]
+                batch["token_level_scores"] = token_level_scores(scores, valid)                   # [B, R]
 
             # 5. log-probs of the sampling policy, and of the reference
             with timer("old_log_prob", timings):
@@ -473,6 +498,8 @@ class Trainer:
                     metrics.update(self.actor.update(local, self.dp))
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
+        if self.agent is not None:
+            metrics.update(agent.multi_turn_metrics(batch))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir and self.rank == 0:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
@@ -488,9 +515,12 @@ class Trainer:
         with open(Path(folder) / f"{self.global_step}.jsonl", "w") as out:
             for i, score in enumerate(scores):
                 mask = batch["attention_mask"][i]
-                out.write(json.dumps({"input": decode(batch["prompts"][i], mask[:prompt_len]),
-                                      "output": decode(batch["responses"][i], batch["response_mask"][i]),
-                                      "score": score, "step": self.global_step}) + "\n")
+                line = {"input": decode(batch["prompts"][i], mask[:prompt_len]),
+                        "output": decode(batch["responses"][i], mask[prompt_len:]), "score": score,
+                        "step": self.global_step}
+                if "messages" in batch:          # multi-turn: the whole conversation, tool answers included
+                    line["messages"] = batch["messages"][i]
+                out.write(json.dumps(line) + "\n")
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""

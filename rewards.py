@@ -360,6 +360,7 @@ SCORERS = {
     "HuggingFaceH4/MATH-500": math_compute_score,
     "hiyouga/geometry3k": geo3k_compute_score,
     "minirl/add": minirl_add_compute_score,
+    "minirl/box": minirl_add_compute_score,      # the tool demo (demo_tools.py): the same "#### N" rule
 }
 
 

@@ -179,7 +179,8 @@ class VLLMRollout:
 
     def generate(self, prompt_ids, sampling, seed):
         """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
-        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens.
+        seed + i (or seed[i] when `seed` is a list: the agent loop seeds each turn itself), so repeats of a prompt
+        differ and every rank of a TP group samples the same tokens.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
@@ -189,7 +190,8 @@ class VLLMRollout:
         else:
             common.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
-        params = [SamplingParams(seed=seed + i, **common) for i in range(len(prompt_ids))]
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompt_ids))]
+        params = [SamplingParams(seed=s, **common) for s in seeds]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         # on CPU, vLLM torch.compiles a small rank-counting op at the first log-prob request (~15 s, needs g++);
         # eager gives the same tokens and log-probs

@@ -61,13 +61,14 @@ def run_loop(tok, tool_map, script, mode="sync", response_length=2048, seed=0, *
     loop = agent.AgentLoop(tok, tool_map, multi_turn(**mt), response_length, mode=mode,
                            eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE)
     schemas = [dict(t.get_openai_tool_schema()) for t in tool_map.values()]
-    rows = []
+    rows = {"raw_prompt_ids": [], "raw_prompt": [], "extra_info": []}
     for question in script:
         messages = [{"role": "user", "content": question}]
         text = tok.apply_chat_template(messages, tools=schemas, chat_template=TOOL_CHAT_TEMPLATE,
                                        add_generation_prompt=True, tokenize=False)
-        rows.append({"raw_prompt_ids": tok.encode(text, add_special_tokens=False), "raw_prompt": messages,
-                     "extra_info": {}})
+        rows["raw_prompt_ids"].append(tok.encode(text, add_special_tokens=False))
+        rows["raw_prompt"].append(messages)
+        rows["extra_info"].append({})
     engine = ScriptedEngine(tok, script)
     sampling = Sampling(max_tokens=response_length)
     return loop.run(rows, agent.engine_generate(engine, sampling, batched=True), seed), engine
@@ -242,7 +243,7 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
     loop = agent.AgentLoop(tok, tool_map, multi_turn(), 512, eos_ids=[tok.eos_token_id],
                            chat_template=TOOL_CHAT_TEMPLATE)
     engine = ScriptedEngine(tok, script)
-    (conv,) = loop.run([row], agent.engine_generate(engine, Sampling(max_tokens=512), batched=False), seed=0)
+    (conv,) = loop.run(data.collate([row]), agent.engine_generate(engine, Sampling(max_tokens=512), batched=False), seed=0)
     answers = [m["content"] for m in conv.messages if m["role"] == "tool"]
     assert answers == ["Current parsed answer='6' reward=0.0", "Current parsed answer='7' reward=1.0"]
     assert conv.reward_scores == {"calc_gsm8k_reward": 1.0} and conv.num_turns == 6
@@ -282,3 +283,56 @@ def test_scheduler_propagates_engine_errors():
         return await agent.Scheduler(broken).generate(agent.Request([1], 1, 0))
     with pytest.raises(RuntimeError, match="engine down"):
         asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tool tokens never get gradient
+
+
+def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
+    """On a real multi-turn batch: the actor's objective (dual-clip PG + k3 KL + entropy, token-mean over the
+    response mask) gives bit-identical parameter gradients when the log-probs, old/ref log-probs and advantages
+    of tool tokens are perturbed; and GAE's advantages on model tokens ignore values and rewards on tool tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import losses
+    import models
+    script = {"Q1?": [call("add", a=1, b=2), "#### 3"], "Q2?": [call("echo", n=3), call("add", a=2, b=2), "ok"]}
+    convs, _ = run_loop(tok, fixture_tools, script, response_length=256)
+    width = max(len(c.prompt_ids) for c in convs)
+    prompt_ids = torch.tensor([[tok.pad_token_id] * (width - len(c.prompt_ids)) + c.prompt_ids for c in convs])
+    prompt_mask = torch.tensor([[0] * (width - len(c.prompt_ids)) + [1] * len(c.prompt_ids) for c in convs])
+    prompts = {"input_ids": prompt_ids, "attention_mask": prompt_mask,
+               "position_ids": torch.clamp(prompt_mask.cumsum(-1) - 1, min=0)}
+    batch = agent.conversations_to_batch(prompts, convs, 256, tok.pad_token_id, [{}, {}])
+    mask = batch["response_mask"].float()                                                    # [B, R]
+    tool = batch["attention_mask"][:, width:].bool() & ~batch["response_mask"].bool()       # tool/template tokens
+    assert tool.sum() > 20 and mask.sum() > 20
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda: torch.randn(mask.shape, generator=gen) * tool                            # noqa: E731
+    old = -torch.rand(mask.shape, generator=gen)
+    ref = -torch.rand(mask.shape, generator=gen)
+    adv = torch.randn(mask.shape, generator=gen)
+
+    def grads(logp_shift, old, ref, adv):
+        model.zero_grad()
+        logp, entropy = models.token_logprobs(model, batch, calc_entropy=True)
+        logp = logp + logp_shift
+        pg, _ = losses.policy_loss(old, logp, adv, mask)
+        kl = losses.agg_loss(losses.kl_penalty(logp, ref, "low_var_kl"), mask, "token-mean")
+        (pg + 0.1 * kl - 0.01 * losses.agg_loss(entropy, mask, "token-mean")).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    clean = grads(torch.zeros_like(mask), old, ref, adv)
+    perturbed = grads(noise() * 5, old + noise(), ref + noise(), adv + noise() * 10)
+    assert all(torch.equal(a, b) for a, b in zip(clean, perturbed))
+    assert any(g.abs().sum() > 0 for g in clean)
+    # a perturbation on a model token does move the gradient (the check can fail)
+    model_token = mask.bool() & (torch.rand(mask.shape, generator=gen) < 0.2)
+    moved = grads(torch.zeros_like(mask), old, ref, adv + model_token.float())
+    assert not all(torch.equal(a, b) for a, b in zip(clean, moved))
+    values, rewards = torch.randn(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen) * mask
+    base, _ = losses.gae_advantages(rewards, values * mask, mask, 1.0, 0.95)
+    shifted, _ = losses.gae_advantages(rewards + noise(), (values + noise()) * mask + noise(), mask, 1.0, 0.95)
+    assert torch.allclose(base[mask.bool()], shifted[mask.bool()], atol=0, rtol=0)
