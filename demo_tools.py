@@ -199,9 +199,10 @@ def warm_up(model, tokenizer, tool_map, train_rows, eval_rows, *, seed=0, label_
     return {"steps": step, "called_tool": called, "accuracy": accuracy}
 
 
-def make_assets(out_dir):
+def make_assets(out_dir, **warmup):
     """out_dir/model (tiny Qwen2 warmed up to call the tool, tokenizer with TOOL_CHAT_TEMPLATE),
-    out_dir/data/{train,test}.parquet, out_dir/tools.yaml, out_dir/warmup.json. Returns their paths."""
+    out_dir/data/{train,test}.parquet, out_dir/tools.yaml, out_dir/warmup.json. Returns their paths.
+    `warmup`: warm_up's settings (tests stop at the first check where the model calls the tool)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -223,7 +224,7 @@ def make_assets(out_dir):
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     model = build_tiny_model(tokenizer, kind="causal", seed=0)
-    warmup = warm_up(model, tokenizer, tool_map, split_rows["train"], split_rows["test"][:32])
+    warmup = warm_up(model, tokenizer, tool_map, split_rows["train"], split_rows["test"][:32], **warmup)
     model.save_pretrained(model_dir)
     (out_dir / "warmup.json").write_text(json.dumps(warmup, indent=1) + "\n")
     return {"model": model_dir, "train": data_dir / "train.parquet", "test": data_dir / "test.parquet",

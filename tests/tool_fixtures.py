@@ -48,3 +48,17 @@ def write_tool_yaml(path, prefix="tool_fixtures", **timeouts):
         entries.append({"class_name": f"{prefix}.{cls}", "config": config, "tool_schema": schema(name, **props)})
     Path(path).write_text(yaml.safe_dump({"tools": entries}))
     return path
+
+
+from demo_tools import BoxTool  # noqa: E402
+
+
+class FlakyBoxTool(BoxTool):
+    """The demo's open_box, but the lid sticks (raises) for even codes and it hangs (past any timeout) for 1 and 3."""
+    async def execute(self, instance_id, parameters, **kwargs):
+        code = self.boxes[instance_id]["code"]
+        if code % 2 == 0:
+            raise RuntimeError("the lid is stuck")
+        if code < 5:
+            await asyncio.sleep(3600)
+        return await super().execute(instance_id, parameters, **kwargs)
