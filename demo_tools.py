@@ -206,7 +206,7 @@ def make_assets(out_dir, **warmup):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
-    from data import build_tiny_model, build_tokenizer, default_tokenizer_corpus
+    from demo import build_tiny_model, build_tokenizer, default_tokenizer_corpus
     from tools import load_tools
     out_dir = Path(out_dir)
     model_dir, data_dir = out_dir / "model", out_dir / "data"
