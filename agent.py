@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from batch import gather_tp_groups
 from tools import parse_hermes, truncate_tool_text
 
 MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
@@ -366,8 +368,6 @@ def conversations_to_batch(prompts, conversations, response_length, pad_id, extr
 
 def gather_rows(local, world_size, tp_size):
     """Every rank's rows (tensors and python lists), one copy per TP group, in group order. A collective."""
-    import torch.distributed as dist
-    from rollout import gather_tp_groups
     if world_size == 1:
         return local
     out = {}

@@ -1,6 +1,7 @@
 """Shared pytest fixtures: tiny local tokenizer/models (built once per session, no hub), the demo assets and
 the GSM8K sample in tests/data/gsm8k. Use them by naming them as test arguments, e.g.
-`def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`."""
+`def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`. Plain helpers shared by test
+files (`from conftest import ...`): padded_batch (a rollout-shaped batch), t and close (tensors, comparisons)."""
 
 import os
 
@@ -64,3 +65,31 @@ def demo_dir(tmp_path_factory):
 def gsm8k_dir():
     """64 train and 32 test lines of the real GSM8K jsonl files, shipped with the tests (see its README.md)."""
     return REPO / "tests" / "data" / "gsm8k"
+
+
+def padded_batch(prompt_lens, response_lens, P=6, R=5, vocab=300, seed=0):
+    """A rollout-shaped batch with left-padded prompts (P) and right-padded responses (R), pad id 0:
+    input_ids/attention_mask/position_ids [b, P+R], prompts [b, P], responses and response_mask [b, R]."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (len(prompt_lens), P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
+            "prompts": ids[:, :P], "responses": ids[:, P:], "response_mask": mask[:, P:]}
+
+
+def t(x, dtype=None):
+    """A float32 (or `dtype`) tensor from nested lists."""
+    import torch
+    return torch.tensor(x, dtype=dtype or torch.float32)
+
+
+def close(actual, expected, atol=1e-5, rtol=1e-5):
+    """assert_close in float32 (tensors, lists or numbers on either side)."""
+    import torch
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)

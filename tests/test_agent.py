@@ -290,8 +290,8 @@ def test_scheduler_propagates_engine_errors():
 
 
 def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
-    """On a real multi-turn batch: the actor's objective (dual-clip PG + k3 KL + entropy, token-mean over the
-    response mask) gives bit-identical parameter gradients when the log-probs, old/ref log-probs and advantages
+    """On a real multi-turn batch: the actor's objective (losses.actor_loss: dual-clip PG + k3 KL + entropy,
+    token-mean over the response mask) gives bit-identical parameter gradients when the log-probs, old/ref log-probs and advantages
     of tool tokens are perturbed; and GAE's advantages on model tokens ignore values and rewards on tool tokens."""
     from transformers import AutoModelForCausalLM
 
@@ -318,10 +318,9 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     def grads(logp_shift, old, ref, adv):
         model.zero_grad()
         logp, entropy = models.token_logprobs(model, batch, calc_entropy=True)
-        logp = logp + logp_shift
-        pg, _ = losses.policy_loss(old, logp, adv, mask)
-        kl = losses.agg_loss(losses.kl_penalty(logp, ref, "low_var_kl"), mask, "token-mean")
-        (pg + 0.1 * kl - 0.01 * losses.agg_loss(entropy, mask, "token-mean")).backward()
+        loss, _ = losses.actor_loss(logp + logp_shift, old, ref, adv, entropy, mask, entropy_coeff=0.01,
+                                    use_kl_loss=True, kl_loss_coef=0.1)
+        loss.backward()
         return [p.grad.clone() for p in model.parameters()]
 
     clean = grads(torch.zeros_like(mask), old, ref, adv)
@@ -333,6 +332,7 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     moved = grads(torch.zeros_like(mask), old, ref, adv + model_token.float())
     assert not all(torch.equal(a, b) for a, b in zip(clean, moved))
     values, rewards = torch.randn(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen) * mask
-    base, _ = losses.gae_advantages(rewards, values * mask, mask, 1.0, 0.95)
-    shifted, _ = losses.gae_advantages(rewards + noise(), (values + noise()) * mask + noise(), mask, 1.0, 0.95)
+    base, _ = losses.gae_advantages(token_rewards=rewards, mask=mask, values=values * mask, lam=0.95)
+    shifted, _ = losses.gae_advantages(token_rewards=rewards + noise(), mask=mask,
+                                       values=(values + noise()) * mask + noise(), lam=0.95)
     assert torch.allclose(base[mask.bool()], shifted[mask.bool()], atol=0, rtol=0)
