@@ -264,6 +264,18 @@ class AgentLoop:
                               "trained as they are", stacklevel=2)
 
 
+def scheduling_mode(mode, tp_size, rank=0):
+    """rollout.mode, except that vLLM tensor parallelism runs async as sync: the ranks of a TP group must send the
+    same requests in the same order, which timing-driven scheduling cannot promise (the conversations are the same
+    either way; only the overlap of tools and generation is lost)."""
+    if mode == "async" and tp_size > 1:
+        if rank == 0:
+            warnings.warn(f"rollout.mode=async with tensor_model_parallel_size={tp_size}: conversations are scheduled "
+                          f"turn-synchronously (same results, no overlap of tools and generation)", stacklevel=2)
+        return "sync"
+    return mode
+
+
 def _tools_kwargs(extra_info):
     return dict((extra_info or {}).get("tools_kwargs") or {})
 

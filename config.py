@@ -610,9 +610,6 @@ def _check_multi_turn(cfg, check_paths=True):
     if rollout.ignore_eos:
         raise ConfigError("actor_rollout_ref.rollout.ignore_eos=True cannot end an assistant turn; leave it False "
                           "with multi_turn.enable or rollout.mode=async")
-    if rollout.mode == "async" and rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1:
-        raise ConfigError("rollout.mode=async with vLLM needs tensor_model_parallel_size=1 (the ranks of a TP group "
-                          "would have to schedule the same requests at the same moments); use mode=sync")
     for key in ("max_parallel_calls", "max_tool_response_length"):
         if multi_turn[key] < 1:
             raise ConfigError(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' must be >= 1, "

@@ -334,8 +334,8 @@ class Trainer:
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
         self.agent = agent.AgentLoop(self.tokenizer, self.tools, multi_turn, arr.rollout.response_length,
-                                     arr.rollout.mode, self.rollout.eos_ids, arr.model.custom_chat_template
-                                     ) if use_agent else None
+                                     agent.scheduling_mode(arr.rollout.mode, self.rollout.tp_size, self.rank),
+                                     self.rollout.eos_ids, arr.model.custom_chat_template) if use_agent else None
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
