@@ -336,3 +336,22 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     shifted, _ = losses.gae_advantages(token_rewards=rewards + noise(), mask=mask,
                                        values=(values + noise()) * mask + noise(), lam=0.95)
     assert torch.allclose(base[mask.bool()], shifted[mask.bool()], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.multi_turn.enable=True"], "set data.return_raw_chat=True"),
+    (["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.ignore_eos=True"], "ignore_eos=True"),
+    (["actor_rollout_ref.rollout.multi_turn.max_user_turns=0"], "max_user_turns' must be >= 1 or null"),
+    (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls' must be >= 1"),
+    (["actor_rollout_ref.rollout.multi_turn.format=chatml"], "choose one of: hermes"),
+    (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "left, right, middle"),
+    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"], "multi-turn interactions"),
+])
+def test_multi_turn_config_errors(overrides, message):
+    from config import load_config
+    base = ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.multi_turn.enable=True", "data.return_raw_chat=True"]
+    if overrides[0].endswith("multi_turn.enable=True"):
+        base = base[:-1]
+    with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        load_config(None, base + overrides, check_paths=False)
