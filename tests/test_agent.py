@@ -341,8 +341,8 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
 @pytest.mark.parametrize("overrides, message", [
     (["actor_rollout_ref.rollout.multi_turn.enable=True"], "set data.return_raw_chat=True"),
     (["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.ignore_eos=True"], "ignore_eos=True"),
-    (["actor_rollout_ref.rollout.multi_turn.max_user_turns=0"], "max_user_turns' must be >= 1 or null"),
-    (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls' must be >= 1"),
+    (["actor_rollout_ref.rollout.multi_turn.max_user_turns=0"], "max_user_turns'=0 is out of range"),
+    (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls'=0 is out of range"),
     (["actor_rollout_ref.rollout.multi_turn.format=chatml"], "choose one of: hermes"),
     (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "left, right, middle"),
     (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"], "multi-turn interactions"),
