@@ -185,9 +185,9 @@ def warm_up(model, tokenizer, tool_map, train_rows, eval_rows, *, seed=0, label_
                 chunk = [examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)]
                 width = max(len(ids) for ids, _ in chunk)
                 input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in chunk])
+                attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
                 labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
-                loss = model(input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id),
-                             labels=labels).loss
+                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

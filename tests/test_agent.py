@@ -53,7 +53,8 @@ class ScriptedEngine:
             question = next(q for q in self.script if q in text)
             turn = text.count("<|im_start|>assistant") - 1
             reply = self.script[question][min(turn, len(self.script[question]) - 1)]
-            out.append((self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id])[:sampling.max_tokens])
+            tokens = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append(tokens[:sampling.max_tokens])
         return out, None
 
 
@@ -104,7 +105,8 @@ def test_batch_layout_attends_tool_tokens_but_masks_them(tok, fixture_tools):
     convs, _ = run_loop(tok, {"add": fixture_tools["add"]}, {"What is 1+1?": [first, final]}, response_length=R)
     p = len(convs[0].prompt_ids)
     prompts = {"input_ids": torch.tensor([[0, 0] + convs[0].prompt_ids]),
-               "attention_mask": torch.tensor([[0, 0] + [1] * p]), "position_ids": torch.tensor([[0, 0] + list(range(p))])}
+               "attention_mask": torch.tensor([[0, 0] + [1] * p]),
+               "position_ids": torch.tensor([[0, 0] + list(range(p))])}
     batch = agent.conversations_to_batch(prompts, convs, R, tok.pad_token_id, [{"index": 7}])
     n = len(convs[0].response_ids)
     assert convs[0].user_turns == 1
@@ -243,7 +245,8 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
     loop = agent.AgentLoop(tok, tool_map, multi_turn(), 512, eos_ids=[tok.eos_token_id],
                            chat_template=TOOL_CHAT_TEMPLATE)
     engine = ScriptedEngine(tok, script)
-    (conv,) = loop.run(data.collate([row]), agent.engine_generate(engine, Sampling(max_tokens=512), batched=False), seed=0)
+    generate = agent.engine_generate(engine, Sampling(max_tokens=512), batched=False)
+    (conv,) = loop.run(data.collate([row]), generate, seed=0)
     answers = [m["content"] for m in conv.messages if m["role"] == "tool"]
     assert answers == ["Current parsed answer='6' reward=0.0", "Current parsed answer='7' reward=1.0"]
     assert conv.reward_scores == {"calc_gsm8k_reward": 1.0} and conv.num_turns == 6
@@ -291,8 +294,9 @@ def test_scheduler_propagates_engine_errors():
 
 def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     """On a real multi-turn batch: the actor's objective (losses.actor_loss: dual-clip PG + k3 KL + entropy,
-    token-mean over the response mask) gives bit-identical parameter gradients when the log-probs, old/ref log-probs and advantages
-    of tool tokens are perturbed; and GAE's advantages on model tokens ignore values and rewards on tool tokens."""
+    token-mean over the response mask) gives bit-identical parameter gradients when the log-probs, old/ref
+    log-probs and advantages of tool tokens are perturbed; and GAE's advantages on model tokens ignore values and
+    rewards on tool tokens."""
     from transformers import AutoModelForCausalLM
 
     import losses

@@ -85,7 +85,8 @@ def test_hf_sync_and_async_give_the_same_conversations(hf_runs):
     (sync_rows, sync_dumps), (async_rows, async_dumps) = hf_runs["sync"], hf_runs["async"]
     assert sync_dumps == async_dumps
     for a, b in zip(sync_rows, async_rows):
-        assert a["critic/score/mean"] == b["critic/score/mean"] and a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"])
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"])
 
 
 def test_vllm_async_run(box_dir, tmp_path):
@@ -111,7 +112,8 @@ def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
 VERL_GSM8K_MULTITURN = [
     "algorithm.adv_estimator=grpo", "data.train_batch_size=256", "data.max_prompt_length=1024",
     "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
-    "data.return_raw_chat=True", "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+    "data.return_raw_chat=True", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
     "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
     "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
@@ -150,7 +152,8 @@ def test_verl_gsm8k_multiturn_example_prints_config(verl_gsm8k, tiny_model_dir):
 def test_verl_gsm8k_multiturn_example_runs_on_the_tiny_model(verl_gsm8k, tiny_model_dir, tmp_path):
     """The same settings scaled to the tiny model and 2 CPU ranks (batch sizes, lengths, the hf engine): one step;
     the random model rarely calls the tool, so this checks the whole path runs, not that tools are used."""
-    scaled = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "actor_rollout_ref.rollout.n": 2,
+    scaled = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+              "actor_rollout_ref.rollout.n": 2,
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2, "data.max_response_length": 32,
               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 2, "actor_rollout_ref.rollout.name": "hf",
