@@ -144,7 +144,7 @@ def test_verl_gsm8k_multiturn_example_prints_config(verl_gsm8k, tiny_model_dir):
     out = subprocess.run([sys.executable, "minirl.py", "--print-config", "--world-size", "8", *VERL_GSM8K_MULTITURN,
                           *paths], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout.split("batch plan:")[0])
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0].split("batch plan:")[0])     # the config part
     assert printed["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"] is True
     assert printed["actor_rollout_ref"]["rollout"]["mode"] == "async"
 
