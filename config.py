@@ -445,6 +445,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_lora(cfg)
     _check_multi_turn(cfg, check_paths)
     if world_size:
         check_batch(cfg, world_size)
@@ -504,6 +505,17 @@ def _check_algorithm(cfg):
         if len(get_dotted(cfg, role + ".optim.betas")) != 2:
             raise ConfigError(f"config key '{role}.optim.betas' must hold two numbers (Adam's beta1, beta2), got "
                               f"{get_dotted(cfg, role + '.optim.betas')}")
+
+
+def _check_lora(cfg):
+    """LoRA under vLLM needs a load_format the adapter sync handles (lora_rank and lora_alpha have their ranges in
+    config_keys; target modules are checked against the model by lora.check_target_modules before it loads)."""
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if model.lora_rank > 0 and rollout.name == "vllm" and not (rollout.load_format == "safetensors"
+                                                               or rollout.load_format.startswith("dummy")):
+        raise ConfigError(f"config key 'actor_rollout_ref.rollout.load_format'={rollout.load_format!r} with LoRA: "
+                          f"use 'safetensors' (vLLM loads the base model from model.path) or a 'dummy*' format "
+                          f"(the first weight sync sends the base weights); later syncs send the adapter only")
 
 
 def _check_paths(cfg):
