@@ -184,7 +184,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # Accepted so verl configs load, but the feature behind them is not built yet: setting them is an error.
 NOT_YET = {
     "actor_rollout_ref.model.lora_rank": (0, "LoRA"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
     "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
     "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
     "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),
@@ -544,6 +543,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_sequence_parallel(cfg)
     if world_size:
         batch_plan(cfg, world_size)  # raises on batch arithmetic that does not divide
     if check_paths:
@@ -595,6 +595,26 @@ def _check_algorithm(cfg):
             raise ConfigError(f"config key '{dotted}' must be positive, got {_get(cfg, dotted)}")
 
 
+SEQUENCE_PARALLEL_KEYS = {       # each worker's Ulysses size -> the key that switches its packed forward on
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "critic.ulysses_sequence_parallel_size": "critic.model.use_remove_padding",
+}
+
+
+def _check_sequence_parallel(cfg):
+    """Ulysses splits the packed row, so it needs the packed forward (verl asserts the same)."""
+    for dotted, packed in SEQUENCE_PARALLEL_KEYS.items():
+        sp = _get(cfg, dotted)
+        if dotted.startswith("critic.") and cfg.algorithm.adv_estimator != "gae":
+            continue                                    # no critic is built
+        if sp < 1:
+            raise ConfigError(f"config key '{dotted}' must be >= 1, got {sp}")
+        if sp > 1 and not _get(cfg, packed):
+            raise ConfigError(f"'{dotted}'={sp} (Ulysses sequence parallel) splits the packed row of a micro-batch; "
+                              f"set '{packed}=true'")
+
+
 def _check_paths(cfg):
     def exists(dotted, value):
         for item in ([value] if isinstance(value, str) else value):
@@ -636,11 +656,9 @@ def batch_plan(cfg, world_size):
     """The step's batch arithmetic for `world_size` ranks; raises ConfigError where it does not divide."""
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
-    n, sp = rollout.n, actor.ulysses_sequence_parallel_size
-    if world_size % sp:
-        raise ConfigError(f"world size {world_size} is not divisible by "
-                          f"'actor_rollout_ref.actor.ulysses_sequence_parallel_size'={sp}")
-    dp = world_size // sp
+    n = rollout.n
+    dp, ref_dp = (_data_parallel(cfg, world_size, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
+                  for role in ("actor", "ref"))
     if cfg.trainer.n_gpus_per_node not in (None, world_size):
         raise ConfigError(f"'trainer.n_gpus_per_node'={cfg.trainer.n_gpus_per_node} but {world_size} processes "
                           f"were started; set it to {world_size} or null (torchrun's --nproc_per_node decides)")
@@ -672,20 +690,21 @@ def batch_plan(cfg, world_size):
                               f"{actor.ppo_mini_batch_size}*{n}/{dp} = {mini_per_rank} responses, which "
                               f"'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'={micro} must divide")
     max_len = data.max_prompt_length + data.max_response_length
-    for worker, name in ((actor, "actor.ppo_max_token_len_per_gpu"),):
-        if actor.use_dynamic_bsz and worker.ppo_max_token_len_per_gpu < max_len:
-            raise ConfigError(f"'actor_rollout_ref.{name}'={worker.ppo_max_token_len_per_gpu} must be at least "
-                              f"max_prompt_length + max_response_length = {max_len}")
+    sp = world_size // dp
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * sp < max_len:   # the budget covers sp devices
+        raise ConfigError(f"'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'={actor.ppo_max_token_len_per_gpu} "
+                          f"(x ulysses_sequence_parallel_size {sp}) must be at least "
+                          f"max_prompt_length + max_response_length = {max_len}")
     log_prob_micro = {}
-    for worker, prefix in ((rollout, "actor_rollout_ref.rollout"), (ref, "actor_rollout_ref.ref")):
-        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, dp,
+    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp), (ref, "actor_rollout_ref.ref", ref_dp)):
+        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
                               prefix + ".log_prob_micro_batch_size")
         if size is None and not worker.log_prob_use_dynamic_bsz:
             raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
         log_prob_micro[prefix] = size
     mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
     plan = {
-        "world_size": world_size, "dp": dp, "responses_per_step": responses,
+        "world_size": world_size, "dp": dp, "sp": sp, "responses_per_step": responses,
         "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
         "responses_per_mini_batch_per_rank": mini_per_rank,
         "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
@@ -695,7 +714,7 @@ def batch_plan(cfg, world_size):
         "ref_log_prob_micro_batch": log_prob_micro["actor_rollout_ref.ref"],
     }
     if cfg.algorithm.adv_estimator == "gae":
-        plan.update(_critic_plan(cfg, dp))
+        plan.update(_critic_plan(cfg, _data_parallel(cfg, world_size, "critic.ulysses_sequence_parallel_size")))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
         plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp,
@@ -703,6 +722,15 @@ def batch_plan(cfg, world_size):
         if plan["reward_model_micro_batch"] is None and not rm.use_dynamic_bsz:
             raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
     return plan
+
+
+def _data_parallel(cfg, world_size, sp_key):
+    """A worker's data-parallel size: world / its ulysses_sequence_parallel_size (verl's dp with sp)."""
+    sp = _get(cfg, sp_key)
+    if world_size % sp:
+        raise ConfigError(f"'{sp_key}'={sp} must divide the world size {world_size} (groups of sp consecutive "
+                          f"ranks share one data-parallel share of the batch)")
+    return world_size // sp
 
 
 def _critic_plan(cfg, dp):
@@ -721,7 +749,7 @@ def _critic_plan(cfg, dp):
         raise ConfigError(f"the critic's mini-batch per rank is {mini // dp} responses; set "
                           f"'critic.ppo_micro_batch_size_per_gpu' to a divisor of it (or critic.use_dynamic_bsz)")
     forward = critic.forward_micro_batch_size_per_gpu or micro
-    return {"critic_responses_per_mini_batch_per_rank": mini // dp, "critic_micro_batch": micro,
+    return {"critic_dp": dp, "critic_responses_per_mini_batch_per_rank": mini // dp, "critic_micro_batch": micro,
             "critic_forward_micro_batch": forward}
 
 
@@ -734,7 +762,7 @@ def total_training_steps(cfg, batches_per_epoch):
 
 def format_plan(plan, steps=None):
     lines = ["batch plan:",
-             f"  world size {plan['world_size']} (data-parallel {plan['dp']})",
+             f"  world size {plan['world_size']} (data-parallel {plan['dp']} x sequence-parallel {plan['sp']})",
              f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
              f"per rank {plan['responses_per_rank']}",
              f"  mini-batches per step {plan['mini_batches_per_step']}, "

@@ -467,7 +467,7 @@ class Trainer:
             # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl)
             if self.critic is not None:
                 with timer("update_critic", timings):
-                    metrics.update(self.critic.update(local, self.dp))
+                    metrics.update(self.critic.update(local, self.plan["critic_dp"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(local, self.dp))

@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+import ulysses
 from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
@@ -111,12 +112,15 @@ def _pack(input_ids, attention_mask, position_ids):
     return ids, pos, indices
 
 
-def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None):
+def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None,
+                   sp_group=None):
     """Per-token log-probs of the response (and entropy) under `model`.
 
     batch: input_ids/attention_mask/position_ids [b, P+R], responses [b, R].
     Returns (log_probs [b, R], entropy [b, R] or None), fp32. Positions outside the attention mask hold values
     that the response mask zeroes out downstream. `kernels`: (logprobs_fn, entropy_fn), e.g. torch.compile'd.
+    sp_group (packed only): Ulysses sequence parallel; this rank runs its slice of the packed row and the
+    per-token results are gathered over the group (ulysses.py).
     """
     logprobs_fn, entropy_fn = kernels or (logprobs_from_logits, entropy_from_logits)
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
@@ -126,16 +130,17 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
     labels = torch.roll(input_ids, shifts=-1, dims=1)                    # [b, L]
     if use_remove_padding:
         ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]   # [nnz, V]
+        packed_labels = labels.reshape(-1)[indices].unsqueeze(0)        # [1, nnz]
+        ids, pos, packed_labels, sp_kwargs = _sequence_slice(ids, pos, packed_labels, sp_group)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False, **sp_kwargs).logits[0]   # [nnz(/sp), V]
         logits = logits.float() / temperature
-        packed_labels = labels.reshape(-1)[indices]                      # [nnz]
         logp_flat = logits.new_zeros(b * length)
-        logp_flat[indices] = logprobs_fn(logits, packed_labels)
+        logp_flat[indices] = _sequence_gather(logprobs_fn(logits, packed_labels[0]), len(indices), sp_group)
         logp = logp_flat.view(b, length)
         entropy = None
         if calc_entropy:
             ent_flat = logits.new_zeros(b * length)
-            ent_flat[indices] = entropy_fn(logits)
+            ent_flat[indices] = _sequence_gather(entropy_fn(logits), len(indices), sp_group)
             entropy = ent_flat.view(b, length)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -147,26 +152,40 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
     return logp[:, response_slice], (entropy[:, response_slice] if entropy is not None else None)
 
 
-def head_outputs(model, batch, use_remove_padding=True):
+def _sequence_slice(ids, pos, labels, sp_group):
+    """Ulysses: this rank's slice of the packed row (ulysses.slice_packed), and the model keyword arguments for
+    it; without sequence parallelism the row as it is."""
+    if sp_group is None:
+        return ids, pos, labels, {}
+    return ulysses.slice_packed(ids, pos, labels, sp_group)
+
+
+def _sequence_gather(values, nnz, sp_group):
+    """Per-token results of this rank's slice -> the whole packed row's [nnz] (identity without sp)."""
+    return values if sp_group is None else ulysses.gather_packed(values, nnz, sp_group)
+
+
+def head_outputs(model, batch, use_remove_padding=True, sp_group=None):
     """The one-output head of a critic or reward model (token classification, 1 label) at every position:
-    [b, L] fp32, packed or padded like token_logprobs."""
+    [b, L] fp32, packed or padded like token_logprobs (and sequence parallel like it)."""
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     b, length = input_ids.shape
     if not use_remove_padding:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      use_cache=False).logits[..., 0].float()            # [b, L]
     ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-    out = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, :, 0].float()    # [nnz]
+    ids, pos, _, sp_kwargs = _sequence_slice(ids, pos, ids, sp_group)
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, **sp_kwargs).logits[0, :, 0].float()   # [nnz(/sp)]
     per_token = out.new_zeros(b * length)
-    per_token[indices] = out
+    per_token[indices] = _sequence_gather(out, len(indices), sp_group)
     return per_token.view(b, length)
 
 
-def token_values(critic, batch, use_remove_padding=True):
+def token_values(critic, batch, use_remove_padding=True, sp_group=None):
     """Values [b, R] from a token-classification critic, verl's slice [:, -R-1:-1] (the value of the state
     before each response token)."""
     length, response_len = batch["input_ids"].shape[1], batch["responses"].shape[1]
-    return head_outputs(critic, batch, use_remove_padding)[:, length - response_len - 1:length - 1]
+    return head_outputs(critic, batch, use_remove_padding, sp_group)[:, length - response_len - 1:length - 1]
 
 
 def last_token_scores(model, batch, use_remove_padding=True):
@@ -259,22 +278,31 @@ def take(batch, index):
     return {k: (v[index_tensor] if isinstance(v, torch.Tensor) else [v[i] for i in index]) for k, v in batch.items()}
 
 
-def all_reduce_sum(values, device):
-    """Sum a list of floats over ranks (one collective); the same list when not distributed."""
+def all_reduce_sum(values, device, group=None):
+    """Sum a list of floats over the ranks of `group` (default: all; one collective); the same list when not
+    distributed."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 
 class Worker:
     """An FSDP2-sharded model on this rank. `optim_cfg` makes it trainable (AdamW + verl's LR schedule);
-    without it the model is frozen in eval mode."""
+    without it the model is frozen in eval mode.
+
+    sp > 1 (Ulysses, ulysses.py; `sp_key` names its config key): each group of sp consecutive ranks works on the
+    rows all its ranks brought (`group_rows`), each rank on a slice of every packed row; token budgets scale by
+    sp and global counts are summed over the dp group (each row once). FSDP still shards over all ranks."""
 
     skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
 
-    def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1):
-        self.device, self.use_remove_padding = device, use_remove_padding
+    def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1, sp=1, sp_key=None):
+        self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
+        self.sp_group = self.dp_group = None
+        if sp > 1:
+            self.sp_group, self.dp_group = ulysses.device_groups(device.type, sp)
+            ulysses.enable(model, sp, self.sp_group, sp_key)
         model.to(device)
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
         if optim_cfg is None:
@@ -289,17 +317,27 @@ class Worker:
     def to_device(self, batch):
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
+    def group_rows(self, batch):
+        """The rows this rank works on: its own, or with sp > 1 those of its whole sp group (tensors only)."""
+        return batch if self.sp_group is None else ulysses.gather_group_rows(batch, self.sp_group, self.device)
+
+    def own_rows(self, tensor):
+        """This rank's rows of a result over group_rows."""
+        return tensor if self.sp_group is None else ulysses.own_rows(tensor, self.sp_group)
+
     def micro_batches(self, batch, micro_size, dynamic, max_tokens):
-        """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz)."""
+        """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz; the budget is
+        per device, so a micro-batch split over sp devices may hold sp times as many tokens, as in verl)."""
         if dynamic:
-            return dynamic_micro_batches(batch["attention_mask"].sum(-1).tolist(), max_tokens, device=self.device)
+            return dynamic_micro_batches(batch["attention_mask"].sum(-1).tolist(), max_tokens * self.sp,
+                                         device=self.device)
         return fixed_micro_batches(batch["attention_mask"].shape[0], micro_size)
 
     def global_agg_kwargs(self, mini, agg_mode):
         """losses.agg_loss's global counts for a mini-batch: tokens and non-empty sequences on ALL ranks."""
         from losses import global_counts
         tokens, seqs = global_counts(mini["response_mask"])
-        tokens, seqs = all_reduce_sum([float(tokens), float(seqs)], self.device)
+        tokens, seqs = all_reduce_sum([float(tokens), float(seqs)], self.device, self.dp_group)
         return dict(agg_mode=agg_mode, global_tokens=tokens, global_seqs=seqs, norm_len=mini["responses"].shape[1])
 
     def clip_and_step(self, max_norm, loss=0.0):
@@ -331,8 +369,10 @@ class Policy(Worker):
                            trust_remote_code=arr.model.trust_remote_code,
                            gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, arr.model.use_remove_padding))
+        role = "actor" if trainable else "ref"
         super().__init__(model, device, arr.model.use_remove_padding, arr.actor.optim if trainable else None,
-                         total_steps)
+                         total_steps, sp=arr[role].ulysses_sequence_parallel_size,
+                         sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
         self.cfg = cfg
         entropy = entropy_from_logits
         if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
@@ -343,10 +383,12 @@ class Policy(Worker):
 
     def forward(self, micro, temperature, calc_entropy=False):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels)
+                              calc_entropy=calc_entropy, kernels=self.kernels, sp_group=self.sp_group)
 
     def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
-        """No-grad log-probs [b, R] (and entropy [b, R]) in micro-batches; rows keep their order."""
+        """No-grad log-probs [b, R] (and entropy [b, R]) of this rank's rows in micro-batches; rows keep their
+        order."""
+        batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         logp = torch.zeros(b, response_len)
         entropy = torch.zeros(b, response_len) if calc_entropy else None
@@ -356,19 +398,21 @@ class Policy(Worker):
                 logp[index] = lp.cpu()
                 if calc_entropy:
                     entropy[index] = ent.cpu()
-        return logp, entropy
+        return self.own_rows(logp), (self.own_rows(entropy) if calc_entropy else None)
 
     def update(self, batch, dp_size):
         """verl's update_policy: ppo_epochs x mini-batches (one optimizer step each) x micro-batches.
 
         Each micro-batch's loss is its share of the mini-batch loss normalised over ALL ranks' tokens/sequences
         (losses.agg_loss with global counts), multiplied by dp_size because FSDP averages gradients over ranks;
-        so the gradient is that of the full mini-batch loss whatever the micro-batching.
+        so the gradient is that of the full mini-batch loss whatever the micro-batching. With sp > 1, dp_size
+        is world/sp and the rows are the sp group's; ulysses.GatherSequence scales the gradient by sp.
         """
         from losses import agg_loss, kl_penalty, policy_loss
         actor = self.cfg.actor_rollout_ref.actor
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
         mini_size = actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dp_size
+        batch = self.group_rows(batch)
         b = batch["responses"].shape[0]
         metrics = {}
 
@@ -404,7 +448,8 @@ class Policy(Worker):
                     (loss * dp_size).backward()
                     for name, value in pg_metrics.items():
                         record(f"actor/{name}", value)
-                pg, kl, ent = all_reduce_sum([sums["pg_loss"], sums["kl_loss"], sums["entropy"]], self.device)
+                pg, kl, ent = all_reduce_sum([sums["pg_loss"], sums["kl_loss"], sums["entropy"]], self.device,
+                                             self.dp_group)
                 record("actor/pg_loss", pg)
                 if actor.use_kl_loss:
                     record("actor/kl_loss", kl)
@@ -431,19 +476,21 @@ class Critic(Worker):
                            gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, critic.model.use_remove_padding))
         check_fits(model, tokenizer_len, "critic.model.path")
-        super().__init__(model, device, critic.model.use_remove_padding, critic.optim, total_steps)
+        super().__init__(model, device, critic.model.use_remove_padding, critic.optim, total_steps,
+                         sp=critic.ulysses_sequence_parallel_size, sp_key="critic.ulysses_sequence_parallel_size")
         self.cfg = critic
 
     def compute_values(self, batch, micro_size):
-        """No-grad values [b, R], zero outside the response mask (verl's compute_values)."""
+        """No-grad values [b, R] of this rank's rows, zero outside the response mask (verl's compute_values)."""
+        batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         values = torch.zeros(b, response_len)
         with torch.no_grad():
             for index in self.micro_batches(batch, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 values[index] = token_values(self.model, self.to_device(take(batch, index)),
-                                             self.use_remove_padding).cpu()
-        return values * batch["response_mask"]
+                                             self.use_remove_padding, self.sp_group).cpu()
+        return self.own_rows(values * batch["response_mask"])
 
     def update(self, batch, dp_size):
         """verl's update_critic: ppo_epochs x mini-batches x micro-batches of the clipped value loss, normalised
@@ -451,6 +498,7 @@ class Critic(Worker):
         from losses import masked_mean, value_loss
         critic = self.cfg
         mini_size = critic.ppo_mini_batch_size * critic.rollout_n // dp_size
+        batch = self.group_rows(batch)
         b = batch["responses"].shape[0]
         metrics = {}
         for _ in range(critic.ppo_epochs):
@@ -463,14 +511,14 @@ class Critic(Worker):
                                                 critic.ppo_max_token_len_per_gpu):
                     micro = self.to_device(take(mini, index))
                     mask = micro["response_mask"].float()
-                    vpreds = token_values(self.model, micro, self.use_remove_padding)
+                    vpreds = token_values(self.model, micro, self.use_remove_padding, self.sp_group)
                     loss, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], mask,
                                                 cliprange_value=critic.cliprange_value, **agg)
                     (loss * dp_size).backward()
                     loss_sum += loss.item()
                     metrics.setdefault("critic/vf_clipfrac", []).append(float(clipfrac))
                     metrics.setdefault("critic/vpred_mean", []).append(float(masked_mean(vpreds.detach(), mask)))
-                (vf_loss,) = all_reduce_sum([loss_sum], self.device)
+                (vf_loss,) = all_reduce_sum([loss_sum], self.device, self.dp_group)
                 metrics.setdefault("critic/vf_loss", []).append(vf_loss)
                 metrics.setdefault("critic/grad_norm", []).append(self.clip_and_step(critic.grad_clip, vf_loss))
         metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]

@@ -1,0 +1,214 @@
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, as verl's verl/utils/ulysses.py and its transformers patch at
+v0.5.0): sp consecutive ranks share the rows of one data-parallel group and split every packed row along the
+sequence. Everything but attention is per token, so it runs on this rank's slice; attention needs the whole
+sequence, so around it an all-to-all trades the sequence split for a head split (each rank then sees the whole
+sequence for 1/sp of the heads), runs the normal attention function, and trades back.
+
+    ranks:        groups of sp consecutive ranks; data parallel over world/sp groups (`device_groups`)
+    rows:         each rank brings its own rows, the group works on all of them (`gather_group_rows`, `own_rows`)
+    packed row:   [1, nnz] -> right-padded to a multiple of sp -> this rank's [1, nnz_pad/sp] (`slice_packed`)
+    attention:    q/k/v [1, H, S/sp, D] -all-to-all-> [1, H/sp, S, D] -attention-> -all-to-all-> [1, S/sp, H, D]
+    outputs:      per-token results [S/sp] -all-gather-> [S] -> unpadded [nnz] (`gather_packed`)
+
+Leaves out: the padded (non-packed) path (verl requires use_remove_padding too), sequence parallel generation,
+vision models' extra position ids (mrope), and sp groups spanning hosts.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from config import ConfigError
+
+FULL_POSITIONS_KWARG = "ulysses_position_ids"   # the whole packed row's position ids, passed to every attention call
+
+# ----------------------------------------------------------------------------------------------------------------
+# Process groups and rows
+
+
+@functools.lru_cache(maxsize=None)
+def device_groups(device_type, sp):
+    """(sp group, dp group) of this rank for a dp x sp mesh: the sp group is sp consecutive ranks (one
+    data-parallel group's replicas of the same rows), the dp group holds one rank per sp group (the ranks with
+    the same position in their group: each row appears in it once). Cached: every worker with the same sp
+    shares the groups (every rank must create them in the same order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+    return mesh.get_group("sp"), mesh.get_group("dp")
+
+
+def gather_group_rows(batch, group, device):
+    """The rows of every rank of the sp group, concatenated in rank order: each rank brings its own share of the
+    batch, and the group works on all of them (verl dispatches one dp group's rows to each of its sp ranks).
+    Tensor fields only (the workers read no lists)."""
+    gathered = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            parts = [torch.empty_like(value, device=device) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, value.to(device).contiguous(), group=group)
+            gathered[key] = torch.cat(parts).to(value.device)
+    return gathered
+
+
+def own_rows(tensor, group):
+    """This rank's share of the group's rows (the inverse of gather_group_rows)."""
+    return tensor.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Collectives with gradients
+
+
+def _all_to_all(x, scatter_dim, gather_dim, group):
+    """Split x into sp chunks along scatter_dim, send chunk i to rank i, concatenate what arrives along gather_dim."""
+    inputs = [chunk.contiguous() for chunk in x.chunk(dist.get_world_size(group), dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in inputs]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all whose gradient is the reverse all-to-all (the map is a permutation of the group's elements)."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0. Backward keeps this rank's slice of the gradient, times sp: every rank of the
+    group computes the same loss from the gathered outputs, and FSDP averages gradients over all world ranks
+    (dp x sp), so each slice must count sp times for the average to be the dp groups' sum (verl's grad_scaler)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sp = dist.get_world_size(ctx.group)
+        return grad.chunk(sp)[dist.get_rank(ctx.group)] * sp, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed rows: split along the sequence, and back
+
+
+def slice_packed(ids, positions, labels, group):
+    """Right-pad the packed row to a multiple of sp (pad tokens 0, pad position ids 0..k-1: the pad is one more
+    short sequence) and keep this rank's contiguous slice. ids/positions/labels [1, nnz] -> [1, nnz_pad/sp] each,
+    plus the model keyword argument carrying the full position ids to the attention all-to-all."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    pad = -ids.shape[1] % sp
+    if pad:
+        zeros = ids.new_zeros(1, pad)
+        ids, labels = torch.cat([ids, zeros], 1), torch.cat([labels, zeros], 1)
+        positions = torch.cat([positions, torch.arange(pad, device=positions.device).unsqueeze(0)], 1)
+    chunk = ids.shape[1] // sp
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    return ids[:, mine], positions[:, mine], labels[:, mine], {FULL_POSITIONS_KWARG: positions}
+
+
+def gather_packed(values, nnz, group):
+    """This rank's per-token outputs [S/sp, ...] -> the whole packed row's [nnz, ...] (gathered, pad dropped)."""
+    return GatherSequence.apply(values, group)[:nnz]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention: registered with transformers' AttentionInterface, wrapping the model's own attention function
+
+
+def kv_repeats(num_heads, num_kv_heads, sp, key):
+    """How many times to repeat each KV head before the all-to-all (verl: when sp > KV heads, each KV head is
+    repeated sp/KV times so every rank gets one). Raises ConfigError naming the numbers when the heads cannot be
+    split sp ways."""
+    if num_heads % sp:
+        raise ConfigError(f"'{key}'={sp} must divide the model's {num_heads} attention heads (each rank attends "
+                          f"with heads/sp of them); choose a divisor of {num_heads}")
+    if num_kv_heads % sp == 0:
+        return 1
+    if sp % num_kv_heads:
+        raise ConfigError(f"'{key}'={sp} and the model's {num_kv_heads} key/value heads: one must divide the other "
+                          f"(KV heads are split sp ways, or repeated sp/KV times when fewer)")
+    return sp // num_kv_heads
+
+
+class _LocalHeads:
+    """The attention module as the inner attention function sees it on this rank: the same module, with the
+    query/KV grouping of the local heads (after KV repetition the local ratio is smaller than the model's)."""
+
+    def __init__(self, module, num_key_value_groups):
+        self._module, self.num_key_value_groups = module, num_key_value_groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def _packed_causal_mask(positions, inner):
+    """Block-diagonal causal mask over the whole packed row [1, 1, S, S] (a sequence starts where the position id
+    is 0): what transformers builds for packed rows, built here because the model only sees this rank's slice.
+    Flash attention needs none (it reads the sequence boundaries from the position ids)."""
+    if inner.startswith("flash"):
+        return None
+    sequence = (positions[0] == 0).cumsum(0)                                           # [S]
+    index = torch.arange(sequence.shape[0], device=positions.device)
+    allowed = (sequence[:, None] == sequence[None, :]) & (index[:, None] >= index[None, :])   # [S, S]
+    return allowed[None, None]
+
+
+_mask_cache = {}      # one entry: the full positions of the current forward and their mask (every layer reuses it)
+
+
+def _cached_mask(positions, inner):
+    if _mask_cache.get("positions") is not positions or _mask_cache.get("inner") != inner:
+        _mask_cache.update(positions=positions, inner=inner, mask=_packed_causal_mask(positions, inner))
+    return _mask_cache["mask"]
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, inner, group, kv_repeat, **kwargs):
+    """query [1, H, S/sp, D], key/value [1, KV, S/sp, D] -> attention output [1, S/sp, H, D], via the whole
+    sequence for H/sp heads on this rank. `inner` is the attention function the model was loaded with."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import repeat_kv
+    positions = kwargs.pop(FULL_POSITIONS_KWARG)                                          # [1, S]
+    key, value = repeat_kv(key, kv_repeat), repeat_kv(value, kv_repeat)                   # [1, KV*rep, S/sp, D]
+    query = AllToAll.apply(query, 1, 2, group)                                            # [1, H/sp, S, D]
+    key = AllToAll.apply(key, 1, 2, group)                                                # [1, KV*rep/sp, S, D]
+    value = AllToAll.apply(value, 1, 2, group)
+    local = _LocalHeads(module, query.shape[1] // key.shape[1])
+    mask = _cached_mask(positions, inner)
+    kwargs["position_ids"] = positions          # flash attention (and packed-aware kernels) find sequences here
+    attend = AttentionInterface().get_interface(inner, None)
+    out, weights = attend(local, query, key, value, mask, **kwargs)                      # [1, S, H/sp, D]
+    return AllToAll.apply(out, 1, 2, group), weights                                      # [1, S/sp, H, D]
+
+
+def enable(model, sp, group, key):
+    """Route `model`'s attention through the all-to-all (registered as 'ulysses_sp<sp>+<inner>' with transformers'
+    AttentionInterface; no model code is forked). The model then expects inputs from slice_packed."""
+    from transformers import AttentionInterface
+    config = model.config
+    repeat = kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                        or config.num_attention_heads, sp, key)
+    inner = config._attn_implementation
+    if inner not in AttentionInterface._global_mapping:
+        raise ConfigError(f"'{key}'={sp} needs a registered attention function (sdpa, flash_attention_2, ...); the "
+                          f"model was loaded with '{inner}'")
+    name = f"ulysses_sp{sp}+{inner}"
+    # not registered as a mask function: transformers then builds no mask for the local slice (it would be wrong)
+    AttentionInterface.register(name, functools.partial(ulysses_attention, inner=inner, group=group,
+                                                        kv_repeat=repeat))
+    model.set_attn_implementation(name)
+    return model
