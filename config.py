@@ -696,7 +696,8 @@ def batch_plan(cfg, world_size):
                           f"(x ulysses_sequence_parallel_size {sp}) must be at least "
                           f"max_prompt_length + max_response_length = {max_len}")
     log_prob_micro = {}
-    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp), (ref, "actor_rollout_ref.ref", ref_dp)):
+    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp),
+                                      (ref, "actor_rollout_ref.ref", ref_dp)):
         size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
                               prefix + ".log_prob_micro_batch_size")
         if size is None and not worker.log_prob_use_dynamic_bsz:

@@ -44,7 +44,8 @@ def main(batch_path, out_path, model_dir, *variants):
         seed_everything(0)
         actor = Policy(cfg, device, trainable=True)
         rollout, plan = cfg.actor_rollout_ref.rollout, batch_plan(cfg, world)
-        logp, entropy = actor.compute_log_prob(local, plan["old_log_prob_micro_batch"], rollout.log_prob_use_dynamic_bsz,
+        logp, entropy = actor.compute_log_prob(local, plan["old_log_prob_micro_batch"],
+                                               rollout.log_prob_use_dynamic_bsz,
                                                rollout.log_prob_max_token_len_per_gpu, rollout.temperature,
                                                calc_entropy=True)
         metrics = actor.update(local, dp_size=plan["dp"])

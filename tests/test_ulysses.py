@@ -57,26 +57,45 @@ def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, varian
 # The trainer with sp=2
 
 
-def test_grpo_and_ppo_run_with_sequence_parallel_actor_ref_and_critic(demo_dir, tmp_path):
-    """PPO (GAE: actor, reference for the KL loss, critic) on 2 ranks with sp=2 everywhere, two steps: the actor
-    and the critic train (finite losses, nonzero gradients), and the batch plan is data parallel over 1 group."""
-    out = tmp_path / "run"
-    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
-                   f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
-                   f"af_output_dir={out}", "trainer.total_training_steps=2", "trainer.val_before_train=false",
-                   "trainer.test_freq=-1", "trainer.save_freq=-1", "data.train_batch_size=4",
-                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
-                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                   "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                   "algorithm.adv_estimator=gae", f"critic.model.path={demo_dir}/model",
-                   "critic.ppo_micro_batch_size_per_gpu=2", "critic.model.use_remove_padding=true",
-                   "critic.ulysses_sequence_parallel_size=2")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2], run.stdout[-2000:]
+def run_trainer(demo_dir, out, *overrides):
+    """A short run of the demo config on 2 ranks; returns its metrics rows."""
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+             f"af_output_dir={out}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_trains(rows, keys):
     for row in rows:
-        for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/entropy"):
-            assert torch.isfinite(torch.tensor(row[key])), key
-        assert row["actor/grad_norm"] > 0 and row["critic/grad_norm"] > 0
+        for key in keys:
+            assert torch.isfinite(torch.tensor(row[key])), (row["step"], key)
+        assert row["actor/grad_norm"] > 0
+
+
+def test_grpo_with_sequence_parallel_then_resume_without(demo_dir, tmp_path):
+    """GRPO with the KL loss (actor and reference sp=2) for two steps, checkpointed; the checkpoint then resumes
+    with sp=1 (FSDP shards over all ranks whatever sp is, so checkpoints do not depend on it)."""
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2",
+                       "trainer.save_freq=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "actor/entropy"))
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
+                       "trainer.save_freq=-1", "trainer.resume_mode=auto")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_trains(rows[2:], ("actor/pg_loss", "actor/kl_loss"))
+
+
+def test_ppo_with_sequence_parallel_actor_reference_and_critic(demo_dir, tmp_path):
+    """PPO (GAE) with sp=2 for the actor, the reference (inherited) and the critic: both models train."""
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
+                       "trainer.save_freq=-1", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                       f"critic.model.path={demo_dir}/model", "critic.ppo_micro_batch_size_per_gpu=2",
+                       "critic.model.use_remove_padding=true", "critic.ulysses_sequence_parallel_size=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/entropy"))
+    assert all(row["critic/grad_norm"] > 0 for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
