@@ -107,15 +107,17 @@ class GatherSequence(torch.autograd.Function):
 
 
 def slice_packed(ids, positions, labels, group):
-    """Right-pad the packed row to a multiple of sp (pad tokens 0, pad position ids 0..k-1: the pad is one more
-    short sequence) and keep this rank's contiguous slice. ids/positions/labels [1, nnz] -> [1, nnz_pad/sp] each,
-    plus the model keyword argument carrying the full position ids to the attention all-to-all."""
+    """Right-pad the packed row to a multiple of sp and keep this rank's contiguous slice. ids/positions/labels
+    [1, nnz] -> [1, nnz_pad/sp] each, plus the model keyword argument carrying the full position ids to the
+    attention all-to-all. The pad (token 0) continues the last sequence's positions, where verl starts a new
+    sequence 0..k-1: causal attention keeps every real token from seeing it either way (and its outputs are
+    dropped), and a row holding one long sequence then needs no mask."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     pad = -ids.shape[1] % sp
     if pad:
         zeros = ids.new_zeros(1, pad)
         ids, labels = torch.cat([ids, zeros], 1), torch.cat([labels, zeros], 1)
-        positions = torch.cat([positions, torch.arange(pad, device=positions.device).unsqueeze(0)], 1)
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
     chunk = ids.shape[1] // sp
     mine = slice(rank * chunk, (rank + 1) * chunk)
     return ids[:, mine], positions[:, mine], labels[:, mine], {FULL_POSITIONS_KWARG: positions}
@@ -159,8 +161,9 @@ class _LocalHeads:
 def _packed_causal_mask(positions, inner):
     """Block-diagonal causal mask over the whole packed row [1, 1, S, S] (a sequence starts where the position id
     is 0): what transformers builds for packed rows, built here because the model only sees this rank's slice.
-    Flash attention needs none (it reads the sequence boundaries from the position ids)."""
-    if inner.startswith("flash"):
+    None where the row is one sequence (plain causal attention) and for flash attention (it reads the sequence
+    boundaries from the position ids)."""
+    if inner.startswith("flash") or int((positions == 0).sum()) <= 1:
         return None
     sequence = (positions[0] == 0).cumsum(0)                                           # [S]
     index = torch.arange(sequence.shape[0], device=positions.device)
