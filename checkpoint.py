@@ -10,7 +10,8 @@ and the command line exports a checkpoint without torchrun:
 
     python minirl.py --export outputs/demo/checkpoints/global_step_100 exported/      # or .../global_step_100/actor
 
-Layout (verl's, verl-semantics.md section 4; W = world size, R = rank):
+Layout (verl v0.5.0's: verl/utils/checkpoint/fsdp_checkpoint_manager.py FSDPCheckpointManager, written by
+verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, R = rank):
 
     <trainer.default_local_dir>/
       latest_checkpointed_iteration.txt      N, written after everything else

@@ -1,8 +1,8 @@
 """minirl's RL math: masked statistics, log-probs/entropy, advantage estimators, KL penalties, loss aggregation,
 PPO policy/value losses and KL controllers. Pure torch: no distributed calls, no config objects, no model.
 
-Every function follows verl's semantics (verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py, tag
-v0.5.0; see /work/shared/reference/verl-semantics.md sections 1-2); each docstring gives the formula and verl's name.
+Every function follows verl's semantics (verl v0.5.0, verl/trainer/ppo/core_algos.py and
+verl/utils/torch_functional.py); each docstring gives the formula and verl's name.
 
 Shapes: B = responses, R = padded response length, V = vocabulary. `mask` is the response mask [B, R]
 (1 on trained tokens, 0 on padding and tool/user tokens).

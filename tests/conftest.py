@@ -1,5 +1,5 @@
 """Shared pytest fixtures: tiny local tokenizer/models (built once per session, no hub), the demo assets and
-the real GSM8K files beside the repo. Use them by naming them as test arguments, e.g.
+the GSM8K sample in tests/data/gsm8k. Use them by naming them as test arguments, e.g.
 `def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`."""
 
 import os
@@ -14,16 +14,14 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the flat modules at the repo root, whatever directory pytest starts in
 
-import data  # noqa: E402
-
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+import demo  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """Folder with the tiny byte-level BPE tokenizer (vocab 512, Qwen-style chat template)."""
     out = tmp_path_factory.mktemp("tiny_tokenizer")
-    data.build_tokenizer(out)
+    demo.build_tokenizer(out)
     return out
 
 
@@ -31,7 +29,7 @@ def _save_tiny_model(tokenizer_dir, out, kind):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data.build_tiny_model(tokenizer, kind=kind, seed=0).save_pretrained(out)
+    demo.build_tiny_model(tokenizer, kind=kind, seed=0).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -91,13 +89,11 @@ def fixed_batch(tiny_model_dir, tmp_path_factory):
 def demo_dir(tmp_path_factory):
     """make_demo_assets output: model/ (warmed-up), data/{train,test}.parquet, warmup.json (~10 s, once)."""
     out = tmp_path_factory.mktemp("demo")
-    data.make_demo_assets(out)
+    demo.make_demo_assets(out)
     return out
 
 
 @pytest.fixture(scope="session")
 def gsm8k_dir():
-    """The real GSM8K jsonl files in ../shared/data/gsm8k (read in place, never copied into the repo)."""
-    if not (GSM8K_DIR / "train.jsonl").is_file():
-        pytest.skip(f"real GSM8K data not found at {GSM8K_DIR} (expected train.jsonl and test.jsonl there)")
-    return GSM8K_DIR
+    """64 train and 32 test lines of the real GSM8K jsonl files, shipped with the tests (see its README.md)."""
+    return REPO / "tests" / "data" / "gsm8k"

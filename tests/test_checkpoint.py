@@ -313,8 +313,20 @@ def test_rng_state_round_trips():
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
-def test_resume_mode_disable_ignores_existing_checkpoints(ckpt_copy):
-    from config import load_config
-    cfg = load_config(ROOT / "config.yaml", ["trainer.resume_mode=disable", f"trainer.default_local_dir={ckpt_copy}"],
-                      check_paths=False)
-    assert checkpoint.resume(cfg, roles={}, loader=None) == 0
+def test_resume_mode_disable_ignores_existing_checkpoints(run_a, demo_dir, data_file, tmp_path):
+    """A real run in run A's output folder (checkpoints up to global_step_5, metrics of steps 1-5) with
+    resume_mode=disable trains from the demo model at step 1: its metrics are run A's first two rows."""
+    shutil.copytree(run_a, tmp_path, dirs_exist_ok=True)
+    result = train(demo_dir, data_file, tmp_path, "trainer.resume_mode=disable", "trainer.total_training_steps=2",
+                   "trainer.max_actor_ckpt_to_keep=null")           # keep=2 would prune the new step 2 behind 4, 5
+    assert "resumed from" not in result.stdout + result.stderr
+    rows = metric_rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]                       # run A's rows were dropped, not appended to
+    assert rows == metric_rows(run_a / "metrics.jsonl")[:2]          # started from the demo model, not step 5's
+    root = tmp_path / "checkpoints"
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "2"
+    step2 = root / "global_step_2"
+    assert json.loads((step2 / "trainer_state.json").read_text())["global_step"] == 2
+    data = torch.load(step2 / "data.pt")
+    assert (data["epoch"], data["batches_done_in_epoch"]) == (0, 2)  # step 5's loader was at (2, 1)
+    assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_2", "global_step_4", "global_step_5"]

@@ -1,19 +1,23 @@
 """Tests for data.py: prompt padding/truncation as verl does it, bad-input errors, the resumable loader, GSM8K
-preprocessing on real rows, and the tiny local tokenizer/models and demo assets.
+preprocessing on real rows, and the data commands' dispatch. (The tiny models and the demo: test_demo.py.)
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_data.py -q"""
 
 import logging
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-                          AutoTokenizer)
+from transformers import AutoTokenizer
 
 from data import PromptLoader, RLHFDataset, collate, preprocess_gsm8k
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The Qwen-style template, written out by hand: user turn, then the generation prompt.
 PREFIX = "<|im_start|>user\n"
@@ -109,6 +113,18 @@ def test_rows_from_several_files_keep_their_origin(tokenizer, tmp_path):
     assert len(ds) == 3 and [ds[i]["index"] for i in range(2)] == [0, 1]
     with pytest.raises(ValueError, match=rf"{re.escape(str(second))}, row 0"):
         ds[2]
+
+
+def test_check_prompt_lengths_names_the_first_overlong_row_up_front(tmp_path, tokenizer):
+    """truncation=error is checked for the whole dataset at start-up (the trainer calls it before loading models)."""
+    path = write_rows(tmp_path / "lengths.parquet", ["1", "1 2 3 4 5 6 7 8 9"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}], add_generation_prompt=True,
+                                         tokenize=False)
+    short = len(tokenizer.encode(text, add_special_tokens=False))      # row 0 fits exactly, row 1 does not
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=short)
+    with pytest.raises(ValueError, match=r"lengths.parquet, row 1: the templated prompt is \d+ tokens"):
+        ds.check_prompt_lengths()
+    RLHFDataset(path, tokenizer, max_prompt_length=short, truncation="left").check_prompt_lengths()   # no error
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -261,7 +277,7 @@ def test_loader_rejects_mismatched_resume_and_tiny_dataset():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# GSM8K preprocessing on the real files
+# GSM8K preprocessing on real rows (the sample in tests/data/gsm8k)
 # ------------------------------------------------------------------------------------------------------------
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 
@@ -270,7 +286,7 @@ def test_gsm8k_preprocessing_on_real_rows(gsm8k_dir, tmp_path):
     preprocess_gsm8k(gsm8k_dir, tmp_path)
     train = pq.read_table(tmp_path / "train.parquet").to_pylist()
     test = pq.read_table(tmp_path / "test.parquet").to_pylist()
-    assert (len(train), len(test)) == (7473, 1319)
+    assert (len(train), len(test)) == (64, 32)
 
     natalia = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?")
@@ -283,13 +299,13 @@ def test_gsm8k_preprocessing_on_real_rows(gsm8k_dir, tmp_path):
         "reward_model": {"style": "rule", "ground_truth": "72"},
         "extra_info": {"split": "train", "index": 0, "answer": natalia_answer, "question": natalia},
     }
-    # test line 147: "... #### 2,125" -> commas removed
-    assert test[146]["reward_model"]["ground_truth"] == "2125"
-    assert test[146]["prompt"][0]["content"].startswith("Johnny is picking up the toys on the floor of his room.")
-    assert test[146]["extra_info"]["index"] == 146 and test[146]["extra_info"]["split"] == "test"
-    # test line 490: "... #### -10" keeps the sign
-    assert test[489]["reward_model"]["ground_truth"] == "-10"
-    assert test[489]["prompt"][0]["content"].endswith("What is the average highest temperature of these 3 "
+    # sample line 31 (line 147 of GSM8K's test split): "... #### 2,125" -> commas removed
+    assert test[30]["reward_model"]["ground_truth"] == "2125"
+    assert test[30]["prompt"][0]["content"].startswith("Johnny is picking up the toys on the floor of his room.")
+    assert test[30]["extra_info"]["index"] == 30 and test[30]["extra_info"]["split"] == "test"
+    # sample line 32 (line 490 of the test split): "... #### -10" keeps the sign
+    assert test[31]["reward_model"]["ground_truth"] == "-10"
+    assert test[31]["prompt"][0]["content"].endswith("What is the average highest temperature of these 3 "
                                                       "countries?" + INSTRUCTION)
 
 
@@ -308,93 +324,25 @@ def test_gsm8k_reads_hf_parquet_layout(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Tiny tokenizer, models and the demo
+# The command line
 # ------------------------------------------------------------------------------------------------------------
-def test_special_tokens_are_single_ids(tokenizer):
-    ids = tokenizer.encode("<|im_start|>user<|im_end|><|endoftext|>", add_special_tokens=False)
-    assert len(ids) == 4
-    assert tokenizer.convert_ids_to_tokens([ids[0], ids[2], ids[3]]) == ["<|im_start|>", "<|im_end|>",
-                                                                         "<|endoftext|>"]
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
-    assert tokenizer.eos_token_id == ids[2] and tokenizer.pad_token_id == ids[3]
-    assert len(tokenizer) == 512
-    assert tokenizer.decode(tokenizer.encode("#### 18 apples", add_special_tokens=False)) == "#### 18 apples"
+def test_gsm8k_command_writes_the_preprocessed_splits(gsm8k_dir, tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "data.py"), "gsm8k", "--input", str(gsm8k_dir),
+                          "--out", str(tmp_path / "cli")], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert f"wrote 64 rows to {tmp_path / 'cli' / 'train.parquet'}" in out.stdout
+    preprocess_gsm8k(gsm8k_dir, tmp_path / "lib")
+    for split in ("train", "test"):
+        assert pq.read_table(tmp_path / "cli" / f"{split}.parquet").equals(
+            pq.read_table(tmp_path / "lib" / f"{split}.parquet"))
+    missing = subprocess.run([sys.executable, str(REPO / "data.py"), "gsm8k", "--out", str(tmp_path)],
+                             capture_output=True, text=True, cwd=REPO)
+    assert missing.returncode == 2 and "the following arguments are required: --input" in missing.stderr
 
 
-def test_tiny_models_shapes_and_head_dim(tiny_model_dir, tiny_rm_dir, tiny_critic_dir):
-    input_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])  # [B=2, T=4]
-    causal = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert causal.model.layers[0].self_attn.head_dim == 32  # hidden 64 / 2 heads: vLLM-CPU's minimum
-    assert causal.config.num_key_value_heads == 1 and causal.config.num_hidden_layers == 2
-    assert causal.lm_head.weight.data_ptr() == causal.model.embed_tokens.weight.data_ptr()  # tied
-    assert causal(input_ids).logits.shape == (2, 4, 512)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir)
-    assert reward_model.config.pad_token_id == AutoTokenizer.from_pretrained(tiny_rm_dir).pad_token_id
-    assert reward_model(input_ids).logits.shape == (2, 1)
-    critic = AutoModelForTokenClassification.from_pretrained(tiny_critic_dir)
-    assert critic(input_ids).logits.shape == (2, 4, 1)
-    assert critic.dtype == torch.float32
-
-
-def test_demo_assets_reload_and_template(demo_dir):
-    model_dir = demo_dir / "model"
-    assert (model_dir / "model.safetensors").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert model.config.vocab_size == len(tokenizer) == 512 and model.config.hidden_size == 64
-    assert model.config.intermediate_size == 128 and model.config.max_position_embeddings == 512
-    assert model.model.layers[0].self_attn.head_dim == 32 and model.dtype == torch.float32
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 5?"}],
-                                         add_generation_prompt=True, tokenize=False)
-    assert text == "<|im_start|>user\nWhat is 3 + 5?<|im_end|>\n<|im_start|>assistant\n"
-
-    train = pq.read_table(demo_dir / "data" / "train.parquet").to_pylist()
-    test = pq.read_table(demo_dir / "data" / "test.parquet").to_pylist()
-    assert len(train) == 1000 and len(test) == 100
-    assert sorted((r["extra_info"]["a"], r["extra_info"]["b"]) for r in test) == [(a, b) for a in range(10)
-                                                                                 for b in range(10)]
-    row = test[0]
-    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-    assert row["prompt"] == [{"role": "user", "content": f"What is {a} + {b}? Answer with #### and the number."}]
-    assert row["reward_model"] == {"style": "rule", "ground_truth": str(a + b)}
-    assert (row["data_source"], row["ability"], row["extra_info"]["split"]) == ("minirl/add", "math", "test")
-
-
-def test_demo_model_is_warmed_up_to_partial_accuracy(demo_dir):
-    """Greedy answers of the saved model, scored here independently: in format, right on roughly 15-40%."""
-    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
-    model = AutoModelForCausalLM.from_pretrained(demo_dir / "model")
-    rows = pq.read_table(demo_dir / "data" / "test.parquet").to_pylist()
-    prompts = [f"<|im_start|>user\n{r['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n" for r in rows]
-    input_ids = torch.tensor([tokenizer.encode(p, add_special_tokens=False) for p in prompts])  # [100, P]
-    with torch.no_grad():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                max_new_tokens=8)  # [100, P + 8]
-    answers = [re.findall(r"#### (\d+)", t) for t in tokenizer.batch_decode(output[:, input_ids.shape[1]:])]
-    in_format = sum(bool(found) for found in answers)
-    correct = sum(bool(found) and found[-1] == r["reward_model"]["ground_truth"] for found, r in zip(answers, rows))
-    assert in_format >= 90
-    assert 15 <= correct <= 45
-
-
-def test_demo_parquet_through_dataset_and_loader(demo_dir, tokenizer):
-    model_tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
-    ds = RLHFDataset(demo_dir / "data" / "train.parquet", model_tokenizer, max_prompt_length=32)
-    loader = PromptLoader(ds, batch_size=64, seed=1)
-    assert len(loader) == 1000 // 64
-    batch = next(iter(loader))
-    assert batch["input_ids"].shape == (64, 32) and batch["attention_mask"].shape == (64, 32)
-    assert batch["index"] == [extra["index"] for extra in batch["extra_info"]]
-    assert set(batch["data_source"]) == {"minirl/add"}
-
-
-def test_check_prompt_lengths_names_the_first_overlong_row_up_front(tmp_path, tokenizer):
-    """truncation=error is checked for the whole dataset at start-up (the trainer calls it before loading models)."""
-    path = write_rows(tmp_path / "lengths.parquet", ["1", "1 2 3 4 5 6 7 8 9"])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}], add_generation_prompt=True,
-                                         tokenize=False)
-    short = len(tokenizer.encode(text, add_special_tokens=False))      # row 0 fits exactly, row 1 does not
-    ds = RLHFDataset(path, tokenizer, max_prompt_length=short)
-    with pytest.raises(ValueError, match=r"lengths.parquet, row 1: the templated prompt is \d+ tokens"):
-        ds.check_prompt_lengths()
-    RLHFDataset(path, tokenizer, max_prompt_length=short, truncation="left").check_prompt_lengths()   # no error
+def test_the_dataset_code_needs_neither_rewards_nor_the_demo():
+    """data.py is imported by the trainer; the demo's tiny models and the reward functions are not its business."""
+    code = "import sys, data; print(sorted({'rewards', 'demo'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,6 +1,6 @@
 """Tests for losses.py: every function against numbers worked out by hand (arithmetic in the comments) or an
 independent computation written here (naive loops), never against losses.py's own output.
-Run: cd /work/main && HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_losses.py -q
+Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_losses.py -q
 """
 
 import math

@@ -146,7 +146,7 @@ def test_lr_schedule_warmup_constant_and_cosine():
 def test_critic_or_reward_model_that_does_not_fit_is_a_clear_error(tiny_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
     from config import ConfigError
-    from data import build_tiny_model
+    from demo import build_tiny_model
     from models import check_fits, load_model
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     two_labels = build_tiny_model(tokenizer, kind="seq_cls")

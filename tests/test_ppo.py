@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import losses
-from data import build_tiny_model
+from demo import build_tiny_model
 from launch import ROOT, torchrun
 
 

@@ -1,4 +1,5 @@
-"""Tests for rewards.py: every expected score below is worked out by hand from verl's rules (see the comments).
+"""Tests for rewards.py and math_grader.py: every expected score below is worked out by hand from verl's rules
+(see the comments).
 
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_rewards.py -q
 """
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+import math_grader as grader  # noqa: E402
+from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize  # noqa: E402
 from rewards import (  # noqa: E402
-    default_compute_score, geo3k_compute_score, geo3k_extract_boxed, geo3k_grade_answer, gsm8k_compute_score,
-    gsm8k_extract_solution, load_reward_fn, math_compute_score, math_last_boxed_answer, math_normalize,
-    minirl_add_compute_score, score_responses, token_level_scores)
+    default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution, load_reward_fn,
+    math_compute_score, math_last_boxed_answer, minirl_add_compute_score, score_responses, token_level_scores)
 
 
 # --------------------------------------------------------------------------------------------- gsm8k
@@ -144,22 +145,22 @@ def test_geo3k_grade_answer(given, truth, correct):
 
 def test_geo3k_arithmetic_with_and_without_sympy():
     # sqrt(12) = 2·sqrt(3): exact with sympy, within 1e-9 with floats
-    assert rewards._arithmetic_equal("\\sqrt{12}", "2\\sqrt{3}", use_sympy=True)
-    assert rewards._arithmetic_equal("\\sqrt{12}", "2\\sqrt{3}", use_sympy=False)
-    assert not rewards._arithmetic_equal("\\sqrt{12}", "3\\sqrt{2}", use_sympy=False)   # 3.46 vs 4.24
-    assert rewards._arithmetic_equal("x+1", "1+x", use_sympy=True)
-    assert not rewards._arithmetic_equal("x+1", "1+x", use_sympy=False)                 # variables need sympy
-    assert not rewards._arithmetic_equal("2^{1000}", "2^{1000}", use_sympy=True)        # exponent > 100 refused
-    assert rewards._arithmetic_equal("(2^{99})^{2}", "4^{99}", use_sympy=True)          # 2^198 ~ 4e59: allowed
-    assert not rewards._arithmetic_equal("(2^{99})^{99}", "(2^{99})^{99}", use_sympy=True)  # 2^9801 > 1e300: refused
-    assert rewards._arithmetic_equal("x^{2}", "x \\cdot x", use_sympy=True)            # a symbolic base is fine
+    assert grader._arithmetic_equal("\\sqrt{12}", "2\\sqrt{3}", use_sympy=True)
+    assert grader._arithmetic_equal("\\sqrt{12}", "2\\sqrt{3}", use_sympy=False)
+    assert not grader._arithmetic_equal("\\sqrt{12}", "3\\sqrt{2}", use_sympy=False)    # 3.46 vs 4.24
+    assert grader._arithmetic_equal("x+1", "1+x", use_sympy=True)
+    assert not grader._arithmetic_equal("x+1", "1+x", use_sympy=False)                  # variables need sympy
+    assert not grader._arithmetic_equal("2^{1000}", "2^{1000}", use_sympy=True)         # exponent > 100 refused
+    assert grader._arithmetic_equal("(2^{99})^{2}", "4^{99}", use_sympy=True)           # 2^198 ~ 4e59: allowed
+    assert not grader._arithmetic_equal("(2^{99})^{99}", "(2^{99})^{99}", use_sympy=True)  # 2^9801 > 1e300: refused
+    assert grader._arithmetic_equal("x^{2}", "x \\cdot x", use_sympy=True)             # a symbolic base is fine
 
 
 def test_geo3k_never_evaluates_arbitrary_code():
-    assert rewards._latex_to_arithmetic("__import__('os').system('true')") is None
-    assert rewards._latex_to_arithmetic("abc") is None          # 3 variables: more than mathruler allows
-    assert rewards._latex_to_arithmetic("\\alpha") is None      # untranslated LaTeX
-    assert rewards._latex_to_arithmetic("\\frac{a^{2}}{3}") == "((a**(2))/(3))"
+    assert grader._latex_to_arithmetic("__import__('os').system('true')") is None
+    assert grader._latex_to_arithmetic("abc") is None           # 3 variables: more than mathruler allows
+    assert grader._latex_to_arithmetic("\\alpha") is None       # untranslated LaTeX
+    assert grader._latex_to_arithmetic("\\frac{a^{2}}{3}") == "((a**(2))/(3))"
 
 
 @pytest.mark.parametrize("text, truth, score", [
