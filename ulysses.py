@@ -183,8 +183,8 @@ def _cached_mask(positions, inner):
 def ulysses_attention(module, query, key, value, attention_mask, *, inner, group, kv_repeat, **kwargs):
     """query [1, H, S/sp, D], key/value [1, KV, S/sp, D] -> attention output [1, S/sp, H, D], via the whole
     sequence for H/sp heads on this rank. `inner` is the attention function the model was loaded with."""
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import repeat_kv
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     positions = kwargs.pop(FULL_POSITIONS_KWARG)                                          # [1, S]
     key, value = repeat_kv(key, kv_repeat), repeat_kv(value, kv_repeat)                   # [1, KV*rep, S/sp, D]
     query = AllToAll.apply(query, 1, 2, group)                                            # [1, H/sp, S, D]
@@ -193,7 +193,7 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     local = _LocalHeads(module, query.shape[1] // key.shape[1])
     mask = _cached_mask(positions, inner)
     kwargs["position_ids"] = positions          # flash attention (and packed-aware kernels) find sequences here
-    attend = AttentionInterface().get_interface(inner, None)
+    attend = ALL_ATTENTION_FUNCTIONS[inner]
     out, weights = attend(local, query, key, value, mask, **kwargs)                      # [1, S, H/sp, D]
     return AllToAll.apply(out, 1, 2, group), weights                                      # [1, S/sp, H, D]
 
