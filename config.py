@@ -718,7 +718,8 @@ def batch_plan(cfg, world_size):
         plan.update(_critic_plan(cfg, _data_parallel(cfg, world_size, "critic.ulysses_sequence_parallel_size")))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
-        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp,
+        # the reward model runs without sequence parallelism: data parallel over all ranks
+        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size,
                                                           "reward_model.micro_batch_size")
         if plan["reward_model_micro_batch"] is None and not rm.use_dynamic_bsz:
             raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
