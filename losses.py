@@ -1,5 +1,6 @@
 """minirl's RL math: masked statistics, log-probs/entropy, advantage estimators, KL penalties, loss aggregation,
-PPO policy/value losses and KL controllers. Pure torch: no distributed calls, no config objects, no model.
+the actor's and the critic's losses, and KL controllers. Pure torch: no distributed calls, no config objects, no
+model. Left out: verl's other policy-loss modes (gspo, clip-cov, ...) and the whole-vocabulary KL ("full").
 
 Every function follows verl's semantics (verl v0.5.0, verl/trainer/ppo/core_algos.py and
 verl/utils/torch_functional.py); each docstring gives the formula and verl's name.
@@ -10,12 +11,13 @@ Shapes: B = responses, R = padded response length, V = vocabulary. `mask` is the
 Usage (what the trainer does each step):
     adv, ret = compute_advantages(name, token_rewards=r, mask=m, group_ids=uids)   # [B, R] each
     tokens, seqs = global_counts(local_mini_batch_mask)    # then all-reduce (sum) over ranks
-    loss, metrics = policy_loss(old_logp, logp, adv, m, agg_mode="token-mean",
-                                global_tokens=tokens, global_seqs=seqs)   # this micro-batch's share
+    loss, metrics = actor_loss(logp, old_logp, ref_logp, adv, entropy, m, use_kl_loss=True,
+                               global_tokens=tokens, global_seqs=seqs)   # this micro-batch's share
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence, Union
 
 import numpy as np
@@ -37,13 +39,9 @@ def _masked_sum(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return kept.sum() if dim is None else kept.sum(dim)
 
 
-def _mask_count(mask: Tensor, dim=None) -> Tensor:
-    return mask.sum() if dim is None else mask.sum(dim)
-
-
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     """Σ x·m / (Σ m + 1e-8) over `dim` (all elements when None). An empty mask gives 0, not NaN."""
-    return _masked_sum(x, mask, dim) / (_mask_count(mask, dim) + WHITEN_EPS)
+    return _masked_sum(x, mask, dim) / ((mask.sum() if dim is None else mask.sum(dim)) + WHITEN_EPS)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
@@ -102,13 +100,19 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Advantage estimators. Each returns (advantages [B, R], returns [B, R]) and runs without autograd, as verl.
-# Outcome estimators take scores [B] (= token_rewards.sum(-1)); responses sharing a group id (verl's "uid",
-# one per prompt) form a group. Group statistics are vectorised with a dense group index and index_add.
+# Advantage estimators. Every one takes the same keyword inputs (those of compute_advantages), uses those its
+# formula names and ignores the rest (**_), and returns (advantages [B, R], returns [B, R]) without autograd, as verl:
+#     token_rewards [B, R], mask [B, R], group_ids [B] (verl's "uid", one per prompt), values [B, R] (critic),
+#     baselines [B] (ReMax's greedy reward), gamma, lam, norm_adv_by_std_in_grpo
+# Outcome estimators use the scores s = token_rewards.sum(-1) [B]; responses sharing a group id form a group.
+# Group statistics are vectorised with a dense group index and index_add.
 
 
 def _group_index(group_ids: GroupIds, batch_size: int, device) -> tuple[Tensor, int]:
     """Dense group index [B] in 0..G-1 and G, from uids (list/np.array of str or int) or an integer tensor."""
+    if group_ids is None:
+        raise ValueError("this adv_estimator compares responses within a group: it needs group_ids (one uid per "
+                         "response)")
     if isinstance(group_ids, Tensor):
         if group_ids.dtype.is_floating_point or group_ids.dim() != 1:
             raise ValueError(f"group_ids tensor must be 1-D integer, got dtype {group_ids.dtype} shape "
@@ -129,12 +133,12 @@ def _group_index(group_ids: GroupIds, batch_size: int, device) -> tuple[Tensor, 
     return index.to(device), len(uniques)
 
 
-def _check_outcome_inputs(scores: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be [B] (one sequence score per response), got shape {tuple(scores.shape)}; "
-                         "use token_rewards.sum(-1)")
-    if mask.dim() != 2 or mask.shape[0] != scores.shape[0]:
-        raise ValueError(f"mask must be [B, R] with B = {scores.shape[0]}, got shape {tuple(mask.shape)}")
+def _outcome_scores(token_rewards: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """scores = token_rewards.sum(-1) [B] (as verl), and the mask [B, R] in their dtype."""
+    if token_rewards.dim() != 2 or mask.shape != token_rewards.shape:
+        raise ValueError(f"token_rewards and mask must both be [B, R]; got {tuple(token_rewards.shape)} and "
+                         f"{tuple(mask.shape)}")
+    scores = token_rewards.sum(-1)  # [B]
     scores = scores if scores.dtype.is_floating_point else scores.float()
     return scores, mask.to(scores.dtype)
 
@@ -161,23 +165,23 @@ def _per_token(per_response: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def grpo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def grpo_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds,
+                    norm_adv_by_std_in_grpo: bool = True, eps: float = 1e-6, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_grpo_outcome_advantage`: A_i = (s_i − mean_g)/(std_g + eps), or s_i − mean_g when
-    norm_by_std is False (Dr.GRPO). std is unbiased; singleton groups use mean 0, std 1; no batch whitening.
+    norm_adv_by_std_in_grpo is False (Dr.GRPO). std is unbiased; singleton groups use mean 0, std 1; no batch whitening.
     advantages = returns = A_i·m."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     _, mean, std = _group_mean_std(scores, index, num_groups)
     centered = scores - mean  # [B]
-    return _per_token(centered / (std + eps) if norm_by_std else centered, mask)
+    return _per_token(centered / (std + eps) if norm_adv_by_std_in_grpo else centered, mask)
 
 
 @torch.no_grad()
-def rloo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+def rloo_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_rloo_outcome_advantage`: A_i = n/(n−1)·(s_i − mean_g) = s_i − mean(others) for n > 1,
     A_i = s_i for a singleton group. advantages = returns = A_i·m."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     size, mean, _ = _group_mean_std(scores, index, num_groups)
     leave_one_out = size / (size - 1).clamp(min=1) * (scores - mean)  # [B]
@@ -185,11 +189,11 @@ def rloo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[
 
 
 @torch.no_grad()
-def opo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+def opo_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_opo_outcome_advantage`: A_i = s_i − b_g with the length-weighted baseline
     b_g = Σ_j len_j·s_j / Σ_j len_j (len = Σ_t m); singleton groups use b = 0. A group whose responses are all
     empty gets b = 0 here (verl divides 0/0 there). advantages = returns = A_i·m."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     lengths = mask.sum(-1)  # [B]
     weighted = _group_sum(lengths * scores, index, num_groups)  # [G]
@@ -202,10 +206,10 @@ def opo_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[T
 
 
 @torch.no_grad()
-def gpg_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+def gpg_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_gpg_outcome_advantage` (f_norm = 1): A_i = α·(s_i − mean_g) with α = B / max(1, #{s ≠ 0});
     singleton groups use mean 0. advantages = returns = A_i·m."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     _, mean, _ = _group_mean_std(scores, index, num_groups)
     alpha = scores.shape[0] / max(1, int(torch.count_nonzero(scores)))
@@ -213,13 +217,14 @@ def gpg_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[T
 
 
 @torch.no_grad()
-def grpo_passk_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor,
-                          norm_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def grpo_passk_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds,
+                          norm_adv_by_std_in_grpo: bool = True, eps: float = 1e-6, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_grpo_passk_outcome_advantage`: only each group's best response gets
-    (max_g − second_max_g), divided by (unbiased std_g + eps) when norm_by_std; everyone else gets 0.
+    (max_g − second_max_g), divided by (unbiased std_g + eps) when
+    norm_adv_by_std_in_grpo; everyone else gets 0.
     Every group needs at least 2 responses. With a tie for the best, the advantage is 0 whichever wins.
     advantages = returns = A_i·m."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     size, _, std = _group_mean_std(scores, index, num_groups)
     if bool((size < 2).any()):
@@ -235,16 +240,17 @@ def grpo_passk_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor,
     runner_up = scores.new_full((num_groups,), -torch.inf).scatter_reduce_(
         0, index, torch.where(is_winner, -torch.inf, scores), "amax")  # [G]
     gap = group_max[index] - runner_up[index]  # [B]
-    if norm_by_std:
+    if norm_adv_by_std_in_grpo:
         gap = gap / (std + eps)
     return _per_token(torch.where(is_winner, gap, torch.zeros_like(gap)), mask)
 
 
 @torch.no_grad()
-def reinforce_pp_baseline_advantages(scores: Tensor, group_ids: GroupIds, mask: Tensor) -> tuple[Tensor, Tensor]:
+def reinforce_pp_baseline_advantages(*, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds,
+                                     **_) -> tuple[Tensor, Tensor]:
     """verl `compute_reinforce_plus_plus_baseline_outcome_advantage`: (s_i − mean_g) (singleton mean 0) tiled over
     R, times m, then masked_whiten over the whole batch, times m. advantages = returns."""
-    scores, mask = _check_outcome_inputs(scores, mask)
+    scores, mask = _outcome_scores(token_rewards, mask)
     index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
     _, mean, _ = _group_mean_std(scores, index, num_groups)
     tiled = (scores - mean).unsqueeze(-1) * mask  # [B, R]
@@ -257,14 +263,16 @@ def _check_token_inputs(token_rewards: Tensor, mask: Tensor, **others: Tensor) -
         raise ValueError(f"token_rewards and mask must both be [B, R]; got {tuple(token_rewards.shape)} and "
                          f"{tuple(mask.shape)}")
     for name, tensor in others.items():
+        if tensor is None:
+            raise ValueError(f"this adv_estimator needs {name}")
         if tensor.shape != token_rewards.shape:
             raise ValueError(f"{name} must be [B, R] = {tuple(token_rewards.shape)}, got {tuple(tensor.shape)}")
     return mask.to(token_rewards.dtype)
 
 
 @torch.no_grad()
-def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-                   lam: float) -> tuple[Tensor, Tensor]:
+def gae_advantages(*, token_rewards: Tensor, mask: Tensor, values: Tensor, gamma: float = 1.0, lam: float = 1.0,
+                   **_) -> tuple[Tensor, Tensor]:
     """verl `compute_gae_advantage_return`. Backward over t with next_value = last = 0:
         delta = r_t + γ·next_value − V_t;   gae_t = delta + γλ·last
         where m_t == 0 (padding, tool tokens) next_value and last carry over unchanged, so those tokens are skipped;
@@ -289,7 +297,8 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: f
 
 
 @torch.no_grad()
-def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+def reinforce_pp_advantages(*, token_rewards: Tensor, mask: Tensor, gamma: float = 1.0,
+                            **_) -> tuple[Tensor, Tensor]:
     """verl `compute_reinforce_plus_plus_outcome_advantage`: backward G_t = r_t + γ·G_{t+1}, and after storing
     G_t the running return is multiplied by m_t (reset at masked tokens). returns = G (not masked);
     advantages = masked_whiten(G, m)·m over the whole batch."""
@@ -305,10 +314,12 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float) -
 
 
 @torch.no_grad()
-def remax_advantages(token_rewards: Tensor, baselines: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def remax_advantages(*, token_rewards: Tensor, mask: Tensor, baselines: Tensor, **_) -> tuple[Tensor, Tensor]:
     """verl `compute_remax_outcome_advantage`: returns_t = Σ_{t' ≥ t} r_t'·m_t' (reverse cumsum);
     advantages = returns − b_i·m, with b_i [B] the reward of the greedy rollout for response i."""
     mask = _check_token_inputs(token_rewards, mask)
+    if baselines is None:
+        raise ValueError("adv_estimator 'remax' needs baselines (the greedy responses' rewards [B])")
     if baselines.shape != token_rewards.shape[:1]:
         raise ValueError(f"baselines must be [B] = ({token_rewards.shape[0]},), got {tuple(baselines.shape)}")
     returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)  # [B, R]
@@ -327,31 +338,18 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "gpg": gpg_advantages,
 }
 CRITIC_FREE_ESTIMATORS = tuple(name for name in ADVANTAGE_ESTIMATORS if name != "gae")  # verl: use_critic iff gae
-_GROUPED_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
 
 
 def compute_advantages(name: str, *, token_rewards: Tensor, mask: Tensor, group_ids: GroupIds | None = None,
                        values: Tensor | None = None, baselines: Tensor | None = None, gamma: float = 1.0,
                        lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True) -> tuple[Tensor, Tensor]:
-    """Run the estimator `name` (algorithm.adv_estimator) with the inputs it needs; outcome estimators use
-    scores = token_rewards.sum(-1), as verl. Returns (advantages [B, R], returns [B, R])."""
+    """Run the estimator `name` (algorithm.adv_estimator) on the inputs; an estimator that needs an input passed
+    as None raises naming it. Returns (advantages [B, R], returns [B, R])."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown adv_estimator '{name}'; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
-    needed = {"group_ids": name in _GROUPED_ESTIMATORS, "values": name == "gae", "baselines": name == "remax"}
-    given = {"group_ids": group_ids, "values": values, "baselines": baselines}
-    missing = [key for key, need in needed.items() if need and given[key] is None]
-    if missing:
-        raise ValueError(f"adv_estimator '{name}' needs {', '.join(missing)}")
-    if name == "gae":
-        return gae_advantages(token_rewards, values, mask, gamma, lam)
-    if name == "reinforce_plus_plus":
-        return reinforce_pp_advantages(token_rewards, mask, gamma)
-    if name == "remax":
-        return remax_advantages(token_rewards, baselines, mask)
-    scores = token_rewards.sum(-1)  # [B]
-    if name in ("grpo", "grpo_passk"):
-        return ADVANTAGE_ESTIMATORS[name](scores, group_ids, mask, norm_by_std=norm_adv_by_std_in_grpo)
-    return ADVANTAGE_ESTIMATORS[name](scores, group_ids, mask)
+    return ADVANTAGE_ESTIMATORS[name](token_rewards=token_rewards, mask=mask, group_ids=group_ids, values=values,
+                                      baselines=baselines, gamma=gamma, lam=lam,
+                                      norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -390,15 +388,22 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Loss aggregation
+# Loss aggregation, and minirl's one deliberate difference from verl: global normalisation.
+#
+# verl v0.5.0 normalises each micro-batch's loss by that micro-batch's own tokens (or sequences) and divides by the
+# number of micro-batches, so the gradient changes with the micro-batch size, dynamic batching and the world size.
+# minirl normalises over the whole mini-batch: the trainer counts its tokens and non-empty sequences on all ranks
+# (global_counts, all-reduced: the `global_tokens`/`global_seqs` arguments below) and each micro-batch's loss is
+# its SHARE of the mini-batch loss (the shares over micro-batches and ranks sum to the loss written over the whole
+# mini-batch at once). Each rank backpropagates share × dp because FSDP averages gradients over the dp ranks, so
+# the gradient is exactly that of the mini-batch loss. Without global counts: verl v0.5.0's per-batch formula.
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def global_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(tokens, seqs) of a (local) mask as int64 0-dim tensors: tokens = number of mask entries ≠ 0, seqs = number
-    of rows with at least one such entry. The trainer sums them over all micro-batches and ranks of a mini-batch
-    (all-reduce) and passes them to agg_loss as global_tokens / global_seqs. The mask must be 0/1."""
+    """(tokens, seqs) of a 0/1 mask as int64 0-dim tensors: entries ≠ 0, and rows with at least one. Summed over
+    a mini-batch's micro-batches and ranks they are agg_loss's global_tokens / global_seqs."""
     nonzero = mask != 0  # [B, R]
     return nonzero.sum(), nonzero.any(-1).sum()
 
@@ -424,16 +429,15 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_tokens=None, glob
         seq-mean-token-sum       mean_i Σ_t L·m
         seq-mean-token-mean      mean_i (Σ_t L·m / Σ_t m)          (a fully masked row gives NaN)
         seq-mean-token-sum-norm  Σ_i Σ_t L·m / (norm_len or R)     (SUMS over rows, R = mask.shape[-1])
-    With global counts (global_tokens = Σ m, global_seqs = #non-empty rows, both over the whole mini-batch: all
-    micro-batches and ranks, see global_counts): this micro-batch's SHARE of the mini-batch loss, so the shares sum
-    to exactly the full-batch loss:
+    With global counts (global_counts of the whole mini-batch, all micro-batches and ranks): this micro-batch's
+    SHARE of the mini-batch loss (the shares sum to exactly the full-batch loss):
         token-mean               Σ L·m / global_tokens
         seq-mean-token-sum       Σ_i Σ_t L·m / global_seqs
         seq-mean-token-mean      Σ_{i non-empty} (Σ_t L·m / Σ_t m) / global_seqs   (empty rows contribute 0)
         seq-mean-token-sum-norm  Σ_i Σ_t L·m / (norm_len or R) / global_seqs
     The global -norm mode is a MEAN over sequences (Dr.GRPO as written, verl HEAD's fix), deliberately unlike the
     v0.5.0 per-batch sum. A global count of 0 gives a share of 0. norm_len is used by the -norm mode only
-    (verl HEAD's actor.loss_scale_factor)."""
+    (verl HEAD's actor.loss_scale_factor). Why global counts: the section comment above."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(LOSS_AGG_MODES)}")
     if loss_mat.shape != mask.shape:
@@ -467,51 +471,76 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, global_tokens=None, glob
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# PPO losses
+# The actor's and the critic's losses
+
+# Metrics of actor_loss/critic_loss that are shares of a mini-batch value (summed over micro-batches and ranks);
+# their other metrics are statistics of one micro-batch (averaged).
+LOSS_SHARES = ("pg_loss", "entropy_loss", "kl_loss", "vf_loss")
 
 
-def policy_loss(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
-                clip_high: float = 0.2, clip_c: float = 3.0, agg_mode: str = "token-mean",
-                **agg_kwargs) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO loss (verl `compute_policy_loss`, "vanilla"), all [B, R]:
+def actor_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, entropy: Tensor | None,
+               mask: Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+               entropy_coeff: float = 0.0, use_kl_loss: bool = False, kl_loss_coef: float = 0.001,
+               kl_loss_type: str = "low_var_kl", loss_agg_mode: str = "token-mean", global_tokens=None,
+               global_seqs=None, norm_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's whole objective on one micro-batch (verl dp_actor `update_policy`: `compute_policy_loss`
+    "vanilla", `agg_loss`, `kl_penalty`). Inputs [B, R]; the keyword names are verl's actor config keys:
         log_ratio = clamp(logp − old_logp, ±20);  ratio = e^log_ratio
-        L1 = −A·ratio;  L2 = −A·clamp(ratio, 1 − clip_low, 1 + clip_high);  Lc = max(L1, L2)
-        L3 = −A·clip_c;  L = min(L3, Lc) where A < 0 else Lc;  loss = agg_loss(L, m, agg_mode, **agg_kwargs)
-    metrics (detached, masked means over this micro-batch): pg_clipfrac = mean(L2 > L1),
-    ppo_kl = mean(−log_ratio), pg_clipfrac_lower = mean((Lc > L3) & (A < 0)).
-    clip_low/clip_high must already be resolved (verl falls back to clip_ratio when they are null)."""
-    if clip_low is None or clip_high is None:
-        raise ValueError("policy_loss: clip_low/clip_high are None; resolve actor.clip_ratio_low/high to "
-                         "actor.clip_ratio before calling (verl's fallback)")
-    if not clip_c > 1.0:
-        raise ValueError(f"policy_loss: clip_c (actor.clip_ratio_c) must be > 1.0 for the dual clip, got {clip_c}")
-    log_ratio = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)  # [B, R]
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    clip_max = torch.maximum(unclipped, clipped)
-    dual_bound = -advantages * clip_c
-    negative = advantages < 0
-    losses = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)  # [B, R]
-    metrics = {
-        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-        "pg_clipfrac_lower": masked_mean(((clip_max > dual_bound) & negative).float(), mask).detach(),
-    }
-    return agg_loss(losses, mask, agg_mode, **agg_kwargs), metrics
+        L1 = −A·ratio;  L2 = −A·clamp(ratio, 1 − clip_ratio_low, 1 + clip_ratio_high);  Lc = max(L1, L2)
+        L3 = −A·clip_ratio_c;  L_pg = min(L3, Lc) where A < 0 else Lc                       (dual-clip PPO)
+        loss = agg(L_pg) − entropy_coeff·agg(entropy) + kl_loss_coef·agg(kl_penalty(logp, ref_logp, kl_loss_type))
+    agg = agg_loss(·, mask, loss_agg_mode, global counts): with global counts the loss is this micro-batch's share
+    of the mini-batch loss (see the section comment above agg_loss). The entropy term is there when
+    entropy_coeff ≠ 0 (`entropy` needed), the KL term when use_kl_loss (`ref_logp` needed).
+    Returns (loss, metrics), metrics detached: pg_loss, entropy_loss, kl_loss (the agg(·) terms: shares, see
+    LOSS_SHARES) and this micro-batch's masked means pg_clipfrac = mean(L2 > L1), ppo_kl = mean(−log_ratio),
+    pg_clipfrac_lower = mean((Lc > L3) & (A < 0)). clip_ratio_low/high must be resolved (verl falls back to
+    clip_ratio when they are null)."""
+    if clip_ratio_low is None or clip_ratio_high is None:
+        raise ValueError("actor_loss: clip_ratio_low/high are None; resolve them to clip_ratio (verl's fallback)")
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"actor_loss: clip_ratio_c must be > 1.0 for the dual clip, got {clip_ratio_c}")
+    mask = mask.to(logp.dtype)  # [B, R]
+    agg = functools.partial(agg_loss, mask=mask, mode=loss_agg_mode, global_tokens=global_tokens,
+                            global_seqs=global_seqs, norm_len=norm_len)  # [B, R] -> scalar
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, R]
+    ratio = torch.exp(log_ratio)  # [B, R]
+    unclipped = -advantages * ratio  # [B, R]
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)  # [B, R]
+    clip_max = torch.maximum(unclipped, clipped)  # [B, R]
+    dual_bound = -advantages * clip_ratio_c  # [B, R]
+    negative = advantages < 0  # [B, R]
+    pg_losses = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)  # [B, R]
+    metrics = {"pg_loss": agg(pg_losses)}  # scalar
+    loss = metrics["pg_loss"]
+    if entropy_coeff != 0:
+        metrics["entropy_loss"] = agg(entropy)  # scalar
+        loss = loss - entropy_coeff * metrics["entropy_loss"]
+    if use_kl_loss:
+        metrics["kl_loss"] = agg(kl_penalty(logp, ref_logp, kl_loss_type))  # scalar
+        loss = loss + kl_loss_coef * metrics["kl_loss"]
+    metrics.update(pg_clipfrac=masked_mean((clipped > unclipped).float(), mask), ppo_kl=masked_mean(-log_ratio, mask),
+                   pg_clipfrac_lower=masked_mean(((clip_max > dual_bound) & negative).float(), mask))
+    return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def value_loss(values: Tensor, returns: Tensor, old_values: Tensor, mask: Tensor, cliprange_value: float = 0.5,
-               agg_mode: str = "token-mean", **agg_kwargs) -> tuple[Tensor, Tensor]:
-    """Clipped value loss (verl `compute_value_loss`), all [B, R]:
-        v_clip = clamp(v, old_v − c, old_v + c);  loss = 0.5·agg_loss(max((v − ret)², (v_clip − ret)²), m)
-    Returns (loss, clipfrac) with clipfrac = masked_mean((v_clip − ret)² > (v − ret)²), detached."""
-    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
-    unclipped_err = (values - returns) ** 2
-    clipped_err = (clipped_values - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), mask, agg_mode, **agg_kwargs)
-    clipfrac = masked_mean((clipped_err > unclipped_err).float(), mask).detach()
-    return loss, clipfrac
+def critic_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, cliprange_value: float = 0.5,
+                loss_agg_mode: str = "token-mean", global_tokens=None, global_seqs=None,
+                norm_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's clipped value loss on one micro-batch (verl `compute_value_loss`), all inputs [B, R]:
+        v_clip = clamp(v, old_v − c, old_v + c);  L = 0.5·agg(max((v − ret)², (v_clip − ret)²))
+    with c = cliprange_value and agg as in actor_loss (with global counts, this micro-batch's share).
+    Returns (loss, metrics): vf_loss (the share), vf_clipfrac = masked_mean((v_clip − ret)² > (v − ret)²) and
+    vpred_mean = masked_mean(v), all detached 0-dim tensors."""
+    mask = mask.to(values.dtype)  # [B, R]
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)  # [B, R]
+    unclipped_err = (values - returns) ** 2  # [B, R]
+    clipped_err = (clipped_values - returns) ** 2  # [B, R]
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), mask, loss_agg_mode,
+                          global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)  # scalar
+    return loss, {"vf_loss": loss.detach(),
+                  "vf_clipfrac": masked_mean((clipped_err > unclipped_err).float(), mask).detach(),
+                  "vpred_mean": masked_mean(values.detach(), mask)}
 
 
 # ------------------------------------------------------------------------------------------------------------------

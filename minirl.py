@@ -17,7 +17,8 @@ One training step, in verl's order (see `train_step`):
     6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
-Models and their updates live in models.py, generation in rollout.py, checkpoints in checkpoint.py.
+Models and their updates live in models.py (the loss itself in losses.py), generation in rollout.py, rows and
+who holds them in batch.py, checkpoints in checkpoint.py.
 
 Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
 (all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
@@ -48,13 +49,14 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import losses
+from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
+                   repeat_interleave, rows_of_rank, take)
 from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
                     total_training_steps)
 from data import PromptLoader, RLHFDataset, collate
-from models import (Critic, Policy, RewardModel, all_reduce_sum, balanced_partitions, full_state_dict_items,
-                    take)
+from models import Critic, Policy, RewardModel, full_state_dict_items
 from rewards import load_reward_fn, score_responses, token_level_scores
-from rollout import Sampling, build_rollout, gather_tp_groups, pad_logprobs, responses_to_batch, rollout_probs_diff
+from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -163,24 +165,6 @@ def resolve_paths(cfg):
             section[key] = [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
         except (RuntimeError, OSError) as err:
             raise ConfigError(f"'{dotted}': {err}") from err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The batch: a dict of tensors [B, ...] plus python lists [B] (uid, data_source, reward_model, ...)
-
-
-def batch_size_of(batch):
-    return len(batch["uid"]) if "uid" in batch else len(next(iter(batch.values())))
-
-
-def repeat_interleave(batch, n):
-    """Each prompt n times in a row: p0,p0,..,p1,p1,.. (verl's repeat(interleave=True))."""
-    return take(batch, [i for i in range(batch_size_of(batch)) for _ in range(n)])
-
-
-def all_gather_rows(tensor, world_size):
-    """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
-    return gather_tp_groups(tensor, world_size, tp_size=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,8 +340,7 @@ class Trainer:
         With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens)."""
         tp = self.rollout.tp_size
         dp_rank, dp_size = self.rank // tp, self.world_size // tp
-        share = batch_size_of(batch) // dp_size
-        mine = list(range(dp_rank * share, (dp_rank + 1) * share))
+        mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
         tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
@@ -391,6 +374,11 @@ class Trainer:
 
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):
+        """One step, in verl's order (the numbered phases below). Who holds which rows: every rank holds the full
+        batch, computes on its own rows (`local`, rows `mine` of the rank-major batch: batch.rows_of_rank), then
+        gathers the results (batch.all_gather_rows) so every rank holds the full batch again. Generation, rewards
+        and the forward passes run on a rank's own rows; advantages run on the full batch (a group may span
+        ranks); the updates run on a rank's own rows with the loss normalised over all ranks (losses.agg_loss)."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         timings, metrics = {}, {}
 
@@ -407,18 +395,9 @@ class Trainer:
                     batch["reward_baselines"] = self.greedy_baselines(prompt_batch)      # [B]
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
-            lengths = batch["attention_mask"].sum(-1).tolist()
-            if cfg.trainer.balance_batch:
-                parts = balanced_partitions(lengths, self.world_size, equal_size=True)
-                metrics.update(seqlen_metrics(lengths, parts))
-            else:
-                share = len(lengths) // self.world_size
-                parts = [list(range(r * share, (r + 1) * share)) for r in range(self.world_size)]
-            order = [i for part in parts for i in part]
-            batch = take(batch, order)                                                  # full batch, rank-major
-            share = len(order) // self.world_size
-            mine = list(range(self.rank * share, (self.rank + 1) * share))
-            local = take(batch, mine)
+            batch, mine, local, seqlen = balance_and_shard(batch, self.rank, self.world_size,
+                                                           cfg.trainer.balance_batch)
+            metrics.update(seqlen)
 
             # 4. rewards: the score sits on the last response token
             with timer("reward", timings):
@@ -464,7 +443,8 @@ class Trainer:
                     gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
                 local["advantages"], local["returns"] = batch["advantages"][mine], batch["returns"][mine]
 
-            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl)
+            # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl); each is
+            #    models.Worker.optimize with losses.critic_loss / losses.actor_loss on every micro-batch
             if self.critic is not None:
                 with timer("update_critic", timings):
                     metrics.update(self.critic.update(local, self.plan["critic_dp"]))
@@ -497,9 +477,8 @@ class Trainer:
         sampling = Sampling.from_config(self.cfg.actor_rollout_ref.rollout)
         sampling.do_sample = False
         greedy = self.generate(prompt_batch, sampling, "gen_max")
-        share = batch_size_of(greedy) // self.world_size
-        return all_gather_rows(self.score(take(greedy, list(range(self.rank * share, (self.rank + 1) * share)))),
-                               self.world_size)
+        mine = rows_of_rank(batch_size_of(greedy), self.rank, self.world_size)
+        return all_gather_rows(self.score(take(greedy, mine)), self.world_size)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self):
@@ -513,8 +492,7 @@ class Trainer:
         pad = (-total) % self.world_size                  # pad to a multiple of the world size, as verl does
         batch = take(batch, list(range(total)) + [total - 1] * pad)
         batch = self.generate(batch, Sampling.from_config(arr.rollout, validate=True), "val")
-        share = batch_size_of(batch) // self.world_size
-        local = take(batch, list(range(self.rank * share, (self.rank + 1) * share)))
+        local = take(batch, rows_of_rank(batch_size_of(batch), self.rank, self.world_size))
         scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
             self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores)
@@ -609,15 +587,6 @@ def validation_metrics(scores, sources, n):
             metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(group.min(axis=1).mean())
             metrics[f"val-aux/{source}/reward/std@{n}"] = float(group.std(axis=1).mean())
     return metrics
-
-
-def seqlen_metrics(lengths, parts):
-    per_rank = [sum(lengths[i] for i in part) for part in parts]
-    chunk = len(lengths) // len(parts)
-    before = [sum(lengths[r * chunk:(r + 1) * chunk]) for r in range(len(parts))]
-    return {"global_seqlen/min": min(before), "global_seqlen/max": max(before),
-            "global_seqlen/minmax_diff": max(before) - min(before), "global_seqlen/balanced_min": min(per_rank),
-            "global_seqlen/balanced_max": max(per_rank), "global_seqlen/mean": float(np.mean(before))}
 
 
 def timing_metrics(timings, batch, world_size):

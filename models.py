@@ -15,13 +15,15 @@ the same collectives).
 from __future__ import annotations
 
 import functools
-import heapq
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+import losses
 import ulysses
+from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
 from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
@@ -206,29 +208,6 @@ def fixed_micro_batches(size, micro_batch_size):
     return [list(range(start, min(start + micro_batch_size, size))) for start in range(0, size, micro_batch_size)]
 
 
-def balanced_partitions(lengths, k, equal_size=False):
-    """Split row indices into k groups with near-equal total length (longest-first greedy: each row goes to the
-    lightest group; with equal_size, only to groups that still have room). Groups keep ascending row order.
-    verl uses Karmarkar-Karp here; the partition differs, the loss does not (it is normalised over the whole
-    mini-batch)."""
-    n = len(lengths)
-    capacity = math.ceil(n / k) if equal_size else n
-    heap = [(0, g) for g in range(k)]
-    groups = [[] for _ in range(k)]
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    for i in order:
-        skipped = []
-        total, g = heapq.heappop(heap)
-        while len(groups[g]) >= capacity:
-            skipped.append((total, g))
-            total, g = heapq.heappop(heap)
-        groups[g].append(i)
-        heapq.heappush(heap, (total + lengths[i], g))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return [sorted(group) for group in groups]
-
-
 def dynamic_micro_batches(lengths, max_tokens, device="cpu"):
     """Partition rows so each micro-batch holds at most `max_tokens` tokens, using as many micro-batches as the
     rank that needs most (all-reduced, so every rank runs the same number of forward passes). Every rank holds
@@ -272,19 +251,24 @@ def lr_lambda(optim_cfg, total_steps):
     return constant if optim_cfg.warmup_style == "constant" else cosine
 
 
-def take(batch, index):
-    """Rows `index` of every field of a batch dict (tensors indexed, lists picked)."""
-    index_tensor = torch.as_tensor(index, dtype=torch.long)
-    return {k: (v[index_tensor] if isinstance(v, torch.Tensor) else [v[i] for i in index]) for k, v in batch.items()}
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """How an update walks this rank's rows: `epochs` passes x mini-batches of `mini_batch_rows` rows (one
+    optimizer step each) x micro-batches of `micro_batch_rows` rows, or under `max_tokens` tokens when `dynamic`."""
+    epochs: int
+    mini_batch_rows: int
+    micro_batch_rows: int
+    dynamic: bool
+    max_tokens: int
+    grad_clip: float
+    dp_size: int
 
-
-def all_reduce_sum(values, device, group=None):
-    """Sum a list of floats over the ranks of `group` (default: all; one collective); the same list when not
-    distributed."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, group=group)
-    return tensor.tolist()
+    @classmethod
+    def of(cls, section, rollout_n, dp_size):
+        """From an actor or critic config section (verl's keys): ppo_mini_batch_size prompts x n responses / dp."""
+        return cls(section.ppo_epochs, section.ppo_mini_batch_size * rollout_n // dp_size,
+                   section.ppo_micro_batch_size_per_gpu, section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu,
+                   section.grad_clip, dp_size)
 
 
 class Worker:
@@ -333,12 +317,52 @@ class Worker:
                                          device=self.device)
         return fixed_micro_batches(batch["attention_mask"].shape[0], micro_size)
 
-    def global_agg_kwargs(self, mini, agg_mode):
-        """losses.agg_loss's global counts for a mini-batch: tokens and non-empty sequences on ALL ranks."""
-        from losses import global_counts
-        tokens, seqs = global_counts(mini["response_mask"])
+    def global_counts(self, mini):
+        """losses.agg_loss's global counts for a mini-batch: its tokens and non-empty sequences on ALL ranks."""
+        tokens, seqs = losses.global_counts(mini["response_mask"])
         tokens, seqs = all_reduce_sum([float(tokens), float(seqs)], self.device, self.dp_group)
-        return dict(agg_mode=agg_mode, global_tokens=tokens, global_seqs=seqs, norm_len=mini["responses"].shape[1])
+        return dict(global_tokens=tokens, global_seqs=seqs, norm_len=mini["responses"].shape[1])
+
+    def optimize(self, batch, plan, loss_fn, prefix):
+        """verl's update_policy / update_critic loop, shared by the actor and the critic: plan.epochs passes x
+        mini-batches of this rank's rows (one optimizer step each) x micro-batches.
+
+        loss_fn(micro, counts) -> (loss, metrics) is losses.actor_loss or losses.critic_loss on one micro-batch,
+        with `counts` the mini-batch's global counts: the loss is the micro-batch's share of the mini-batch loss,
+        backpropagated x dp (the global normalisation, explained once above losses.agg_loss). Metrics named in
+        losses.LOSS_SHARES are summed over micro-batches and ranks (the mini-batch's value); the others are
+        averaged. A non-finite loss or gradient norm skips the optimizer step (clip_and_step). The LR scheduler
+        steps once per call. Returns `prefix`-named metrics averaged over the optimizer steps, with grad_norm, lr.
+        With sp > 1 the rows are the sp group's, dp is world/sp, sums run over the dp group (each row once), and
+        ulysses.GatherSequence scales the gradient by sp (FSDP averages over all dp x sp ranks)."""
+        batch = self.group_rows(batch)
+        size = batch_size_of(batch)
+        metrics = {}
+
+        def record(name, value):
+            metrics.setdefault(prefix + name, []).append(float(value))
+
+        for _ in range(plan.epochs):
+            for start in range(0, size, plan.mini_batch_rows):
+                mini = take(batch, list(range(start, min(start + plan.mini_batch_rows, size))))
+                counts = self.global_counts(mini)
+                self.optimizer.zero_grad(set_to_none=True)
+                shares = {}
+                for index in self.micro_batches(mini, plan.micro_batch_rows, plan.dynamic, plan.max_tokens):
+                    loss, micro_metrics = loss_fn(self.to_device(take(mini, index)), counts)
+                    (loss * plan.dp_size).backward()          # FSDP averages gradients over the dp ranks
+                    for name, value in micro_metrics.items():
+                        if name in losses.LOSS_SHARES:
+                            shares[name] = shares.get(name, 0.0) + value.item()
+                        else:
+                            record(name, value)
+                totals = dict(zip(shares, all_reduce_sum(list(shares.values()), self.device, self.dp_group)))
+                for name, value in totals.items():
+                    record(name, value)
+                record("grad_norm", self.clip_and_step(plan.grad_clip, loss=sum(totals.values())))
+        record("lr", self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return {name: float(sum(values) / len(values)) for name, values in metrics.items()}
 
     def clip_and_step(self, max_norm, loss=0.0):
         """Clip the gradient norm and step. A non-finite gradient norm or `loss` (the same on every rank: both
@@ -401,69 +425,23 @@ class Policy(Worker):
         return self.own_rows(logp), (self.own_rows(entropy) if calc_entropy else None)
 
     def update(self, batch, dp_size):
-        """verl's update_policy: ppo_epochs x mini-batches (one optimizer step each) x micro-batches.
+        """verl's update_policy: Worker.optimize with losses.actor_loss on each micro-batch."""
+        arr = self.cfg.actor_rollout_ref
+        actor = arr.actor
 
-        Each micro-batch's loss is its share of the mini-batch loss normalised over ALL ranks' tokens/sequences
-        (losses.agg_loss with global counts), multiplied by dp_size because FSDP averages gradients over ranks;
-        so the gradient is that of the full mini-batch loss whatever the micro-batching. With sp > 1, dp_size
-        is world/sp and the rows are the sp group's; ulysses.GatherSequence scales the gradient by sp.
-        """
-        from losses import agg_loss, kl_penalty, policy_loss
-        actor = self.cfg.actor_rollout_ref.actor
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
-        mini_size = actor.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // dp_size
-        batch = self.group_rows(batch)
-        b = batch["responses"].shape[0]
-        metrics = {}
+        def loss_fn(micro, counts):
+            logp, entropy = self.forward(micro, arr.rollout.temperature, calc_entropy=actor.entropy_coeff != 0)
+            return losses.actor_loss(
+                logp, micro["old_log_probs"], micro.get("ref_log_prob"), micro["advantages"], entropy,
+                micro["response_mask"], clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode,
+                **counts)
 
-        def record(name, value):
-            metrics.setdefault(name, []).append(float(value))
-
-        for _ in range(actor.ppo_epochs):
-            for start in range(0, b, mini_size):
-                mini = take(batch, list(range(start, min(start + mini_size, b))))
-                agg = self.global_agg_kwargs(mini, actor.loss_agg_mode)
-                counts = {k: v for k, v in agg.items() if k != "agg_mode"}
-                self.optimizer.zero_grad(set_to_none=True)
-                sums = {"pg_loss": 0.0, "kl_loss": 0.0, "entropy": 0.0}
-                for index in self.micro_batches(mini, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
-                                                actor.ppo_max_token_len_per_gpu):
-                    micro = self.to_device(take(mini, index))
-                    mask = micro["response_mask"].float()
-                    logp, entropy = self.forward(micro, temperature, calc_entropy=actor.entropy_coeff != 0)
-                    pg_loss, pg_metrics = policy_loss(micro["old_log_probs"], logp, micro["advantages"], mask,
-                                                      clip_low=actor.clip_ratio_low, clip_high=actor.clip_ratio_high,
-                                                      clip_c=actor.clip_ratio_c, **agg)
-                    loss = pg_loss
-                    sums["pg_loss"] += pg_loss.item()
-                    if actor.entropy_coeff != 0:
-                        entropy_share = agg_loss(entropy, mask, mode=actor.loss_agg_mode, **counts)
-                        loss = loss - actor.entropy_coeff * entropy_share
-                        sums["entropy"] += entropy_share.item()
-                    if actor.use_kl_loss:
-                        kl_share = agg_loss(kl_penalty(logp, micro["ref_log_prob"], actor.kl_loss_type), mask,
-                                            mode=actor.loss_agg_mode, **counts)
-                        loss = loss + actor.kl_loss_coef * kl_share
-                        sums["kl_loss"] += kl_share.item()
-                    (loss * dp_size).backward()
-                    for name, value in pg_metrics.items():
-                        record(f"actor/{name}", value)
-                pg, kl, ent = all_reduce_sum([sums["pg_loss"], sums["kl_loss"], sums["entropy"]], self.device,
-                                             self.dp_group)
-                record("actor/pg_loss", pg)
-                if actor.use_kl_loss:
-                    record("actor/kl_loss", kl)
-                    record("actor/kl_coef", actor.kl_loss_coef)
-                if actor.entropy_coeff != 0:
-                    record("actor/entropy_loss", ent)
-                record("actor/grad_norm", self.clip_and_step(actor.grad_clip, loss=pg + kl + ent))
-        record("actor/lr", self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return _mean_metrics(metrics)
-
-
-def _mean_metrics(metrics):
-    return {name: float(sum(values) / len(values)) for name, values in metrics.items()}
+        metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = actor.kl_loss_coef
+        return metrics
 
 
 class Critic(Worker):
@@ -493,37 +471,16 @@ class Critic(Worker):
         return self.own_rows(values * batch["response_mask"])
 
     def update(self, batch, dp_size):
-        """verl's update_critic: ppo_epochs x mini-batches x micro-batches of the clipped value loss, normalised
-        over the global mini-batch as the actor's loss is."""
-        from losses import masked_mean, value_loss
+        """verl's update_critic: Worker.optimize with losses.critic_loss on each micro-batch."""
         critic = self.cfg
-        mini_size = critic.ppo_mini_batch_size * critic.rollout_n // dp_size
-        batch = self.group_rows(batch)
-        b = batch["responses"].shape[0]
-        metrics = {}
-        for _ in range(critic.ppo_epochs):
-            for start in range(0, b, mini_size):
-                mini = take(batch, list(range(start, min(start + mini_size, b))))
-                agg = self.global_agg_kwargs(mini, critic.loss_agg_mode)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for index in self.micro_batches(mini, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                                                critic.ppo_max_token_len_per_gpu):
-                    micro = self.to_device(take(mini, index))
-                    mask = micro["response_mask"].float()
-                    vpreds = token_values(self.model, micro, self.use_remove_padding, self.sp_group)
-                    loss, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], mask,
-                                                cliprange_value=critic.cliprange_value, **agg)
-                    (loss * dp_size).backward()
-                    loss_sum += loss.item()
-                    metrics.setdefault("critic/vf_clipfrac", []).append(float(clipfrac))
-                    metrics.setdefault("critic/vpred_mean", []).append(float(masked_mean(vpreds.detach(), mask)))
-                (vf_loss,) = all_reduce_sum([loss_sum], self.device, self.dp_group)
-                metrics.setdefault("critic/vf_loss", []).append(vf_loss)
-                metrics.setdefault("critic/grad_norm", []).append(self.clip_and_step(critic.grad_clip, vf_loss))
-        metrics["critic/lr"] = [self.scheduler.get_last_lr()[0]]
-        self.scheduler.step()
-        return _mean_metrics(metrics)
+
+        def loss_fn(micro, counts):
+            vpreds = token_values(self.model, micro, self.use_remove_padding, self.sp_group)
+            return losses.critic_loss(vpreds, micro["values"], micro["returns"], micro["response_mask"],
+                                      cliprange_value=critic.cliprange_value, loss_agg_mode=critic.loss_agg_mode,
+                                      **counts)
+
+        return self.optimize(batch, MiniBatchPlan.of(critic, critic.rollout_n, dp_size), loss_fn, "critic/")
 
 
 class RewardModel(Worker):

@@ -15,8 +15,8 @@ Engines:
 
 `responses_to_batch` turns the engine's token lists into verl's rollout batch (right-padded responses, the
 response mask up to and including the first EOS, input_ids/attention_mask/position_ids of prompt + response);
-`gather_tp_groups` collects one copy of each TP group's rows, `rollout_probs_diff` compares vLLM's log-probs with
-the actor's.
+`rollout_probs_diff` compares vLLM's log-probs with the actor's. (batch.gather_tp_groups collects one copy of each
+TP group's rows.)
 """
 from __future__ import annotations
 
@@ -367,17 +367,6 @@ def pad_logprobs(logprobs, response_length):
         row = row[:response_length]
         out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return out
-
-
-def gather_tp_groups(tensor, world_size, tp_size):
-    """All ranks' [b, ...] rows, keeping one copy per TP group (its first rank's): [b * world/tp, ...], in group
-    order. Ranks of a TP group generated the same rows, so the other copies are redundant. A collective."""
-    import torch.distributed as dist
-    if world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts[::tp_size])
 
 
 def rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask):

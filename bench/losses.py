@@ -93,10 +93,11 @@ def main():
 
     one_token = mask[:, :1]  # [B, 1]: isolates the group statistics from the [B, R] broadcast both versions share
     cases = {
-        "grpo": (lambda: losses.grpo_advantages(scores, uids, mask), lambda: naive_grpo(scores, uids, mask)),
-        "grpo, R=1": (lambda: losses.grpo_advantages(scores, uids, one_token),
+        "grpo": (lambda: losses.grpo_advantages(token_rewards=rewards, mask=mask, group_ids=uids),
+                 lambda: naive_grpo(scores, uids, mask)),
+        "grpo, R=1": (lambda: losses.grpo_advantages(token_rewards=scores[:, None], mask=one_token, group_ids=uids),
                       lambda: naive_grpo(scores, uids, one_token)),
-        "gae": (lambda: losses.gae_advantages(rewards, values, mask, gamma, lam),
+        "gae": (lambda: losses.gae_advantages(token_rewards=rewards, values=values, mask=mask, gamma=gamma, lam=lam),
                 lambda: naive_gae(rewards, values, mask, gamma, lam)),
     }
     print(f"batch {rows} x {length}, groups of {group_size}, torch {torch.__version__}, "

@@ -1,6 +1,7 @@
 """Shared pytest fixtures: tiny local tokenizer/models (built once per session, no hub), the demo assets and
 the GSM8K sample in tests/data/gsm8k. Use them by naming them as test arguments, e.g.
-`def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`."""
+`def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`. Plain helpers shared by test
+files (`from conftest import ...`): padded_batch (a rollout-shaped batch), t and close (tensors, comparisons)."""
 
 import os
 
@@ -61,18 +62,9 @@ def fixed_batch(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from models import token_logprobs
-    g = torch.Generator().manual_seed(0)
-    P, R = 6, 5
-    prompt_lens, response_lens = [6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4]
-    b = len(prompt_lens)
-    ids = torch.randint(10, 300, (b, P + R), generator=g)
-    mask = torch.zeros(b, P + R, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        mask[i, P - p:P] = 1
-        mask[i, P:P + r] = 1
-    ids = ids * mask
-    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
-             "responses": ids[:, P:], "prompts": ids[:, :P], "response_mask": mask[:, P:]}
+    g = torch.Generator().manual_seed(1)
+    batch = padded_batch([6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4])
+    b, R = batch["responses"].shape
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature=0.9, use_remove_padding=False)
@@ -97,3 +89,31 @@ def demo_dir(tmp_path_factory):
 def gsm8k_dir():
     """64 train and 32 test lines of the real GSM8K jsonl files, shipped with the tests (see its README.md)."""
     return REPO / "tests" / "data" / "gsm8k"
+
+
+def padded_batch(prompt_lens, response_lens, P=6, R=5, vocab=300, seed=0):
+    """A rollout-shaped batch with left-padded prompts (P) and right-padded responses (R), pad id 0:
+    input_ids/attention_mask/position_ids [b, P+R], prompts [b, P], responses and response_mask [b, R]."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (len(prompt_lens), P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P] = 1
+        mask[i, P:P + r] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
+            "prompts": ids[:, :P], "responses": ids[:, P:], "response_mask": mask[:, P:]}
+
+
+def t(x, dtype=None):
+    """A float32 (or `dtype`) tensor from nested lists."""
+    import torch
+    return torch.tensor(x, dtype=dtype or torch.float32)
+
+
+def close(actual, expected, atol=1e-5, rtol=1e-5):
+    """assert_close in float32 (tensors, lists or numbers on either side)."""
+    import torch
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)

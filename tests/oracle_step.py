@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
 from config import batch_plan, load_config  # noqa: E402
-from minirl import Policy, all_gather_rows, init_distributed, seed_everything, take  # noqa: E402
+from minirl import Policy, init_distributed, seed_everything  # noqa: E402
 
 BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -33,8 +34,7 @@ def full(tensor):
 def main(batch_path, out_path, model_dir, *variants):
     rank, world, device = init_distributed("cpu", "gloo")
     batch = torch.load(batch_path)
-    share = batch["responses"].shape[0] // world
-    local = take(batch, list(range(rank * share, (rank + 1) * share)))
+    local = take(batch, rows_of_rank(batch["responses"].shape[0], rank, world))
     results = {}
     for variant in variants:
         name, _, overrides = variant.partition(":")

@@ -20,6 +20,7 @@ import torch
 
 import checkpoint
 
+from conftest import padded_batch
 from launch import ROOT, launch_env, torchrun_cmd
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
 
@@ -147,17 +148,7 @@ def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir,
 @pytest.fixture(scope="module")
 def probe_batch(tmp_path_factory):
     """4 rows: left-padded prompts (P=6), right-padded responses (R=5)."""
-    g = torch.Generator().manual_seed(0)
-    P, R = 6, 5
-    prompt_lens, response_lens = [6, 3, 1, 4], [5, 2, 4, 1]
-    ids = torch.randint(10, 300, (4, P + R), generator=g)
-    mask = torch.zeros(4, P + R, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        mask[i, P - p:P] = 1
-        mask[i, P:P + r] = 1
-    ids = ids * mask
-    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": torch.clamp(mask.cumsum(-1) - 1, min=0),
-             "responses": ids[:, P:], "response_mask": mask[:, P:]}
+    batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
     path = tmp_path_factory.mktemp("probe") / "batch.pt"
     torch.save(batch, path)
     return path

@@ -1,31 +1,16 @@
 """Tests for losses.py: every function against numbers worked out by hand (arithmetic in the comments) or an
-independent computation written here (naive loops), never against losses.py's own output.
-Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_losses.py -q
+independent computation written here (naive loops), never against losses.py's own output. The advantage
+estimators are in test_advantages.py.
 """
 
 import math
-import os
-import sys
-from collections import defaultdict
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import losses as L  # noqa: E402
-
-EPS = 1e-6  # GRPO epsilon
-
-
-def t(x, dtype=torch.float32):
-    return torch.tensor(x, dtype=dtype)
-
-
-def close(actual, expected, atol=1e-5, rtol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
-
+import losses as L
+from conftest import close, t
 
 # ------------------------------------------------------------------------------------------------ masked statistics
 
@@ -100,239 +85,6 @@ def test_entropy_chunked_is_differentiable():
     p = torch.softmax(ref, -1)
     (-(p * torch.log(p)).sum()).backward()
     close(logits.grad, ref.grad)
-
-
-# ------------------------------------------------------------------------------------------------ outcome advantages
-
-GROUPS = ["a", "a", "a", "b", "c", "c"]
-
-
-def test_grpo_hand_values_singleton_equal_scores_and_masked_row():
-    scores = t([1, 2, 3, 5, 0.5, 0.5])
-    mask = t([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [0, 0]])  # last row fully masked
-    adv, ret = L.grpo_advantages(scores, GROUPS, mask)
-    # group a: mean 2, unbiased std sqrt((1 + 0 + 1)/2) = 1 -> (s - 2)/(1 + 1e-6)
-    # group b: singleton -> mean 0, std 1 -> 5/(1 + 1e-6); group c: equal scores -> 0 (no NaN)
-    per_response = [-1 / (1 + EPS), 0, 1 / (1 + EPS), 5 / (1 + EPS), 0, 0]
-    expected = t(per_response)[:, None] * mask
-    close(adv, expected)
-    close(ret, expected)
-    assert not torch.isnan(adv).any()
-    adv_drgrpo, _ = L.grpo_advantages(scores, GROUPS, mask, norm_by_std=False)
-    close(adv_drgrpo, t([-1, 0, 1, 5, 0, 0])[:, None] * mask)  # s - mean only
-
-
-def test_group_ids_strings_numpy_objects_and_int_tensor_agree():
-    scores = t([1, 2, 3, 5, 0.5, 0.5])
-    mask = torch.ones(6, 3)
-    as_strings, _ = L.grpo_advantages(scores, GROUPS, mask)
-    as_objects, _ = L.grpo_advantages(scores, np.array(GROUPS, dtype=object), mask)
-    as_ints, _ = L.grpo_advantages(scores, torch.tensor([7, 7, 7, 2, 9, 9]), mask)
-    close(as_objects, as_strings)
-    close(as_ints, as_strings)
-
-
-def test_group_ids_length_mismatch_is_a_clear_error():
-    with pytest.raises(ValueError, match="one uid per response"):
-        L.grpo_advantages(t([1, 2, 3]), ["a", "a"], torch.ones(3, 2))
-
-
-def naive_grpo(scores, uids, eps=EPS):
-    """verl-style per-group dictionary loop, written independently of losses.py."""
-    by_uid = defaultdict(list)
-    for i, uid in enumerate(uids):
-        by_uid[uid].append(float(scores[i]))
-    out = []
-    for i, uid in enumerate(uids):
-        group = by_uid[uid]
-        if len(group) == 1:
-            mean, std = 0.0, 1.0
-        else:
-            mean = sum(group) / len(group)
-            std = math.sqrt(sum((g - mean) ** 2 for g in group) / (len(group) - 1))
-        out.append((float(scores[i]) - mean) / (std + eps))
-    return torch.tensor(out)
-
-
-def test_vectorised_grpo_equals_naive_loop():
-    gen = torch.Generator().manual_seed(0)
-    sizes = [1, 2, 3, 8, 8, 5, 1, 4]
-    uids = [f"prompt-{g}" for g, size in enumerate(sizes) for _ in range(size)]
-    order = torch.randperm(len(uids), generator=gen)
-    uids = [uids[i] for i in order]  # interleave the groups
-    scores = torch.randint(0, 2, (len(uids),), generator=gen).float() + 0.1 * torch.randn(len(uids), generator=gen)
-    scores[:4] = 1.0  # some ties
-    adv, _ = L.grpo_advantages(scores, uids, torch.ones(len(uids), 3))
-    close(adv[:, 0], naive_grpo(scores, uids))
-
-
-def test_rloo_hand_values():
-    scores = t([1, 2, 3, 5])
-    mask = t([[1, 1], [1, 1], [1, 0], [1, 1]])
-    adv, ret = L.rloo_advantages(scores, ["a", "a", "a", "b"], mask)
-    # n = 3, mean 2: 3/2·(s - 2) = [-1.5, 0, 1.5]  (= s - mean(others): 1 - 2.5 = -1.5); singleton -> s = 5
-    expected = t([-1.5, 0, 1.5, 5])[:, None] * mask
-    close(adv, expected)
-    close(ret, expected)
-
-
-def test_opo_length_weighted_baseline():
-    scores = t([1, 0, 4])
-    mask = t([[1, 0, 0], [1, 1, 1], [1, 1, 0]])  # lengths 1, 3, 2
-    adv, _ = L.opo_advantages(scores, ["a", "a", "b"], mask)
-    # group a baseline (1·1 + 3·0)/(1 + 3) = 0.25 -> [0.75, -0.25]; singleton b: baseline 0 -> 4
-    close(adv, t([0.75, -0.25, 4])[:, None] * mask)
-
-
-def test_opo_group_of_empty_rows_gives_zero_not_nan():
-    adv, _ = L.opo_advantages(t([1, 0]), ["a", "a"], torch.zeros(2, 3))
-    close(adv, torch.zeros(2, 3))
-
-
-def test_gpg_hand_values():
-    scores = t([1, 0, 0, 0, 3])
-    mask = torch.ones(5, 2)
-    adv, _ = L.gpg_advantages(scores, ["a", "a", "b", "b", "c"], mask)
-    # α = B / #nonzero = 5/2; a: mean 0.5 -> 2.5·(±0.5) = ±1.25; b: 0; c singleton (mean 0): 2.5·3 = 7.5
-    close(adv[:, 0], [1.25, -1.25, 0, 0, 7.5])
-
-
-def test_grpo_passk_best_of_group_only():
-    scores = t([1, 3, 2, 4, 4])
-    mask = t([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1]])
-    adv, _ = L.grpo_passk_advantages(scores, ["a", "a", "a", "b", "b"], mask)
-    # a: best 3, second 2 -> gap 1; unbiased std of [1, 3, 2] = 1 -> 1/(1 + 1e-6) for response 1 only
-    # b: a tie for best -> gap 0 for both
-    close(adv, t([0, 1 / (1 + EPS), 0, 0, 0])[:, None] * mask)
-    adv_raw, _ = L.grpo_passk_advantages(scores, ["a", "a", "a", "b", "b"], mask, norm_by_std=False)
-    close(adv_raw[:, 0], [0, 1, 0, 0, 0])
-
-
-def test_grpo_passk_rejects_singleton_groups():
-    with pytest.raises(ValueError, match="at least 2"):
-        L.grpo_passk_advantages(t([1, 2, 3]), ["a", "a", "b"], torch.ones(3, 2))
-
-
-def test_reinforce_pp_baseline_whitens_over_batch():
-    scores = t([1, 3, 2])
-    mask = t([[1, 1], [1, 0], [1, 1]])
-    adv, ret = L.reinforce_pp_baseline_advantages(scores, ["a", "a", "b"], mask)
-    # centered: a mean 2 -> [-1, 1]; b singleton mean 0 -> 2. Tiled × m: [[-1,-1],[1,0],[2,2]]
-    # masked values -1,-1,1,2,2: mean 0.6; squared deviations 2.56+2.56+0.16+1.96+1.96 = 9.2; unbiased var 2.3
-    expected = t([[-1.6, -1.6], [0.4, 0.0], [1.4, 1.4]]) / math.sqrt(2.3)
-    close(adv, expected)
-    close(ret, expected)
-
-
-# ----------------------------------------------------------------------------------------------- token-level advantages
-
-def test_gae_single_row_gamma_lambda():
-    r = t([[0, 0, 1]])
-    v = t([[0.5, 0.25, 0.5]])
-    m = torch.ones(1, 3)
-    _, ret = L.gae_advantages(r, v, m, gamma=0.5, lam=0.5)
-    # t=2: δ = 1 - 0.5 = 0.5, A = 0.5
-    # t=1: δ = 0 + 0.5·0.5 - 0.25 = 0, A = 0 + 0.25·0.5 = 0.125
-    # t=0: δ = 0 + 0.5·0.25 - 0.5 = -0.375, A = -0.375 + 0.25·0.125 = -0.34375
-    # returns = A + V = [0.15625, 0.375, 1.0]
-    close(ret, [[0.15625, 0.375, 1.0]])
-
-
-def test_gae_skips_masked_middle_token_and_whitens():
-    r = t([[0, 0, 0, 1]])
-    v = t([[0.5, 9.0, 0.25, 0.5]])
-    m = t([[1, 0, 1, 1]])  # token 1 is a tool/observation token
-    adv, ret = L.gae_advantages(r, v, m, gamma=1.0, lam=1.0)
-    # t=3: δ = 1 - 0.5 = 0.5, A = 0.5, next V = 0.5
-    # t=2: δ = 0.5 - 0.25 = 0.25, A = 0.75, next V = 0.25
-    # t=1: masked -> next V and A carry over: A = 0.75 (V = 9 ignored)
-    # t=0: δ = 0.25 - 0.5 = -0.25, A = -0.25 + 0.75 = 0.5
-    close(ret, [[0.5 + 0.5, 0.75 + 9.0, 0.75 + 0.25, 0.5 + 0.5]])
-    # whiten over masked A = [0.5, 0.75, 0.5]: mean 7/12, deviations [-1/12, 1/6, -1/12], Σ sq = 6/144,
-    # unbiased var 1/48 -> (A - 7/12)·sqrt(48); the masked token (A = 0.75) is transformed too
-    s48 = math.sqrt(48)
-    close(adv, [[-s48 / 12, s48 / 6, s48 / 6, -s48 / 12]], atol=1e-4)
-
-
-def test_gae_trailing_padding_has_zero_raw_advantage():
-    r = t([[0, 1, 0], [0, 0, 2]])
-    v = t([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
-    m = t([[1, 1, 0], [1, 1, 1]])
-    _, ret = L.gae_advantages(r, v, m, gamma=1.0, lam=1.0)
-    # row 0: t=2 padding -> A = 0; t=1: δ = 1 - 0.5 = 0.5; t=0: δ = 0.5 - 0.5 = 0, A = 0.5 -> returns A + V
-    # row 1: V = 0 so A = reward-to-go = [2, 2, 2]
-    close(ret, [[1.0, 1.0, 0.0], [2.0, 2.0, 2.0]])
-
-
-def test_reinforce_pp_returns_and_whitening():
-    r = t([[0, 0, 1], [0, 2, 0]])
-    m = t([[1, 1, 1], [1, 1, 0]])
-    adv, ret = L.reinforce_pp_advantages(r, m, gamma=0.5)
-    # row 0: G = [0.25, 0.5, 1]; row 1: t=2 G = 0 then reset, G_1 = 2, G_0 = 1 -> [1, 2, 0]
-    close(ret, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
-    # masked G: 0.25, 0.5, 1, 1, 2 -> mean 0.95; Σ sq dev = .49 + .2025 + .0025 + .0025 + 1.1025 = 1.8; var 0.45
-    expected = (t([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]) - 0.95) / math.sqrt(0.45) * m
-    close(adv, expected)
-
-
-def test_reinforce_pp_resets_running_return_at_masked_token():
-    _, ret = L.reinforce_pp_advantages(t([[0, 0, 1], [1, 0, 0]]), t([[1, 0, 1], [1, 1, 1]]), gamma=1.0)
-    # row 0: t=2 G = 1; t=1 G = 0 + 1 = 1 stored, then reset (m = 0); t=0 G = 0
-    close(ret[0], [0.0, 1.0, 1.0])
-
-
-def test_remax():
-    r = t([[0, 1, 2], [3, 0, 0]])
-    m = t([[1, 1, 0], [1, 1, 1]])
-    adv, ret = L.remax_advantages(r, t([0.5, 1.0]), m)
-    # row 0: r·m = [0, 1, 0] -> reverse cumsum [1, 1, 0]; minus 0.5·m -> [0.5, 0.5, 0]
-    # row 1: reverse cumsum of [3, 0, 0] = [3, 0, 0]; minus 1·m -> [2, -1, -1]
-    close(ret, [[1, 1, 0], [3, 0, 0]])
-    close(adv, [[0.5, 0.5, 0], [2, -1, -1]])
-
-
-# ------------------------------------------------------------------------------------------------ registry, dispatch
-
-def test_registry_and_critic_free_names():
-    expected = {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
-                "grpo_passk", "gpg"}
-    assert set(L.ADVANTAGE_ESTIMATORS) == expected
-    assert set(L.CRITIC_FREE_ESTIMATORS) == expected - {"gae"}
-
-
-def test_compute_advantages_sums_token_rewards_for_outcome_estimators():
-    r = t([[0, 1, 0], [0, 0, 3], [0, 0, 2]])  # scores 1, 3, 2
-    m = t([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
-    adv, _ = L.compute_advantages("grpo", token_rewards=r, mask=m, group_ids=["a", "a", "a"])
-    # mean 2, unbiased std 1 -> [-1, 1, 0]/(1 + 1e-6)
-    close(adv, t([-1, 1, 0])[:, None] / (1 + EPS) * m)
-    adv, _ = L.compute_advantages("grpo", token_rewards=r, mask=m, group_ids=["a", "a", "a"],
-                                  norm_adv_by_std_in_grpo=False)
-    close(adv, t([-1, 1, 0])[:, None] * m)
-
-
-def test_compute_advantages_runs_every_estimator():
-    gen = torch.Generator().manual_seed(1)
-    r = torch.zeros(4, 5)
-    r[:, -1] = torch.rand(4, generator=gen)
-    m = torch.ones(4, 5)
-    inputs = dict(token_rewards=r, mask=m, group_ids=[0, 0, 1, 1], values=torch.rand(4, 5, generator=gen),
-                  baselines=torch.rand(4, generator=gen), gamma=0.9, lam=0.95)
-    for name in L.ADVANTAGE_ESTIMATORS:
-        adv, ret = L.compute_advantages(name, **inputs)
-        assert adv.shape == ret.shape == (4, 5) and torch.isfinite(adv).all(), name
-
-
-def test_compute_advantages_missing_inputs_and_unknown_name():
-    r, m = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match="values"):
-        L.compute_advantages("gae", token_rewards=r, mask=m)
-    with pytest.raises(ValueError, match="group_ids"):
-        L.compute_advantages("grpo", token_rewards=r, mask=m)
-    with pytest.raises(ValueError, match="baselines"):
-        L.compute_advantages("remax", token_rewards=r, mask=m)
-    with pytest.raises(ValueError, match="valid: gae"):
-        L.compute_advantages("ppo", token_rewards=r, mask=m)
 
 
 # ------------------------------------------------------------------------------------------------ KL penalties
@@ -471,7 +223,7 @@ def test_shares_equal_v050_formula_on_full_batch_without_empty_rows(mode):
     close(total, L.agg_loss(loss, mask, mode))
 
 
-# ------------------------------------------------------------------------------------------------ policy / value loss
+# ------------------------------------------------------------------------------------------------ actor / critic loss
 
 def _policy_case():
     # token:              0: clip high   1: inside   2: clip low   3: dual clip   4: A<0 inside dual   5: masked
@@ -483,15 +235,17 @@ def _policy_case():
     return old, logp, adv, mask
 
 
-def test_policy_loss_values_metrics_and_gradient():
+def test_actor_loss_ppo_clip_values_metrics_and_gradient():
     old, logp, adv, mask = _policy_case()
-    loss, metrics = L.policy_loss(old, logp, adv, mask)
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask)
     # token 0: L1 = -1.5, L2 = -1.2 -> max -1.2 (clipped)        token 1: L1 = L2 = -1
     # token 2: L1 = 0.5, L2 = 0.8 -> 0.8 (clipped); dual min(3, 0.8) = 0.8
     # token 3: L1 = 4, L2 = 1.2 -> 4; dual min(3, 4) = 3 (lower clip)
     # token 4: L1 = 2, L2 = 1.2 -> 2; dual min(3, 2) = 2
     # token-mean = (-1.2 - 1 + 0.8 + 3 + 2)/5 = 0.72
     close(loss, 0.72)
+    assert set(metrics) == {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}
+    close(metrics["pg_loss"], 0.72)
     close(metrics["pg_clipfrac"], 2 / 5)  # tokens 0 and 2
     close(metrics["pg_clipfrac_lower"], 1 / 5)  # token 3
     close(metrics["ppo_kl"], -math.log(1.5 * 1.0 * 0.5 * 4.0 * 2.0) / 5)  # mean(-log ratio) = -ln 6 / 5
@@ -501,18 +255,33 @@ def test_policy_loss_values_metrics_and_gradient():
     close(logp.grad, [[0, -0.2, 0, 0, 0.4, 0]])
 
 
-def test_policy_loss_asymmetric_clip():
+def test_actor_loss_adds_entropy_bonus_and_kl_loss():
     old, logp, adv, mask = _policy_case()
-    loss, _ = L.policy_loss(old, logp, adv, mask, clip_low=0.1, clip_high=0.3)
+    entropy = t([[1.0, 2.0, 3.0, 4.0, 5.0, 100.0]])
+    ref = logp.detach() - 0.5  # k1 = logp - ref = 0.5 on every token
+    loss, metrics = L.actor_loss(logp, old, ref, adv, entropy, mask, entropy_coeff=0.1, use_kl_loss=True,
+                                 kl_loss_coef=0.2, kl_loss_type="k1")
+    # pg 0.72 (above); entropy token-mean (1+2+3+4+5)/5 = 3; k1 token-mean 0.5: 0.72 - 0.1·3 + 0.2·0.5 = 0.52
+    close(loss, 0.52)
+    close(metrics["entropy_loss"], 3.0)
+    close(metrics["kl_loss"], 0.5)
+    loss.backward()
+    # the PPO gradient above plus d/dlogp 0.2·(logp - ref)/5 = 0.04 on each of the 5 unmasked tokens
+    close(logp.grad, [[0.04, -0.16, 0.04, 0.04, 0.44, 0]])
+
+
+def test_actor_loss_asymmetric_clip():
+    old, logp, adv, mask = _policy_case()
+    loss, _ = L.actor_loss(logp, old, None, adv, None, mask, clip_ratio_low=0.1, clip_ratio_high=0.3)
     # token 0: max(-1.5, -1.3) = -1.3; token 2: max(0.5, 0.9) = 0.9; others as before: (-1.3 - 1 + 0.9 + 3 + 2)/5
     close(loss, 3.6 / 5)
 
 
-def test_policy_loss_clamps_huge_log_ratio():
+def test_actor_loss_clamps_huge_log_ratio():
     old = torch.zeros(1, 3)
     logp = t([[50.0, 50.0, -50.0]]).requires_grad_(True)
     adv = t([[1.0, -1.0, -1.0]])
-    loss, metrics = L.policy_loss(old, logp, adv, torch.ones(1, 3))
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, torch.ones(1, 3))
     # ratio = e^20 / e^20 / e^-20: token 0 -> max(-e^20, -1.2) = -1.2; token 1 -> dual clip 3;
     # token 2 -> max(e^-20, 0.8) = 0.8
     close(loss, (-1.2 + 3 + 0.8) / 3)
@@ -521,29 +290,61 @@ def test_policy_loss_clamps_huge_log_ratio():
     assert torch.isfinite(logp.grad).all() and (logp.grad == 0).all()
 
 
-def test_policy_loss_rejects_bad_clip_c():
+def test_actor_loss_rejects_bad_clip_ratio_c():
     old, logp, adv, mask = _policy_case()
-    with pytest.raises(ValueError, match="clip_c"):
-        L.policy_loss(old, logp, adv, mask, clip_c=1.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        L.actor_loss(logp, old, None, adv, None, mask, clip_ratio_c=1.0)
 
 
-def test_policy_loss_forwards_agg_mode_and_global_counts():
+def test_actor_loss_forwards_agg_mode_and_global_counts():
     old, logp, adv, mask = _policy_case()
-    loss, _ = L.policy_loss(old, logp, adv, mask, agg_mode="seq-mean-token-sum", global_tokens=10, global_seqs=2)
+    loss, _ = L.actor_loss(logp, old, None, adv, None, mask, loss_agg_mode="seq-mean-token-sum", global_tokens=10,
+                           global_seqs=2)
     close(loss, 3.6 / 2)  # one row summing to 3.6, over 2 sequences in the mini-batch
 
 
-def test_value_loss():
+@pytest.mark.parametrize("mode", L.LOSS_AGG_MODES)
+def test_actor_loss_micro_batch_shares_sum_to_the_mini_batch_loss(mode):
+    """actor_loss on 4 micro-batches with the mini-batch's global counts: the losses, the loss shares in the
+    metrics and the gradients add up to actor_loss on the whole mini-batch at once."""
+    gen = torch.Generator().manual_seed(4)
+    _, mask = _random_batch(seed=5)  # [16, 7], two empty rows
+    logp = (-torch.rand(16, 7, generator=gen) * 3).requires_grad_(True)
+    entropy = torch.rand(16, 7, generator=gen).requires_grad_(True)
+    old, ref = logp.detach() + 0.3 * torch.randn(16, 7, generator=gen), logp.detach() - torch.rand(16, 7, generator=gen)
+    adv = torch.randn(16, 7, generator=gen) * mask
+    tokens, seqs = L.global_counts(mask)
+    config = dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
+                  loss_agg_mode=mode, global_tokens=tokens, global_seqs=seqs, norm_len=7)
+
+    def run(rows):
+        logp.grad = entropy.grad = None
+        loss, metrics = L.actor_loss(logp[rows], old[rows], ref[rows], adv[rows], entropy[rows], mask[rows], **config)
+        loss.backward()
+        return loss.detach(), metrics, logp.grad.clone(), entropy.grad.clone()
+
+    whole = run(slice(0, 16))
+    pieces = [run(slice(start, start + 4)) for start in range(0, 16, 4)]
+    close(sum(p[0] for p in pieces), whole[0])
+    for name in ("pg_loss", "entropy_loss", "kl_loss"):
+        close(sum(p[1][name] for p in pieces), whole[1][name])
+    close(sum(p[2] for p in pieces), whole[2])
+    close(sum(p[3] for p in pieces), whole[3])
+
+
+def test_critic_loss():
     values = t([[1.0, 2.0, 5.0]]).requires_grad_(True)
     old = t([[0.0, 1.0, 0.0]])
     returns = t([[0.0, 3.0, 0.0]])
     mask = t([[1, 1, 0]])
-    loss, clipfrac = L.value_loss(values, returns, old, mask, cliprange_value=0.5)
+    loss, metrics = L.critic_loss(values, old, returns, mask, cliprange_value=0.5)
     # token 0: v_clip = clamp(1, -0.5, 0.5) = 0.5: errors 1 and 0.25 -> 1 (not clipped)
     # token 1: v_clip = clamp(2, 0.5, 1.5) = 1.5: errors 1 and 2.25 -> 2.25 (clipped)
-    # loss = 0.5·(1 + 2.25)/2 = 0.8125; clipfrac = 1/2
+    # loss = 0.5·(1 + 2.25)/2 = 0.8125; clipfrac = 1/2; mean prediction (1 + 2)/2
     close(loss, 0.8125)
-    close(clipfrac, 0.5)
+    close(metrics["vf_loss"], 0.8125)
+    close(metrics["vf_clipfrac"], 0.5)
+    close(metrics["vpred_mean"], 1.5)
     loss.backward()
     # token 0: d/dv 0.5·(v - ret)²/2 = (1 - 0)/2 = 0.5; token 1: clipped branch -> 0
     close(values.grad, [[0.5, 0.0, 0.0]])
@@ -584,3 +385,12 @@ def test_apply_kl_penalty_rewards_metrics_and_update():
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.5  # β used for this batch (before the update)
     # update with n_steps = B = 2: error clip(-0.375 - 1) = -0.2 -> 0.5·(1 - 0.2·2/10) = 0.48
     assert ctrl.value == pytest.approx(0.48)
+
+
+def test_readme_oracle_example():
+    """The README's "losses.py as an oracle" example runs as written; its asserts hold hand-worked numbers."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## losses.py as an oracle"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    assert "losses.actor_loss(" in code
+    exec(compile(code, "README.md", "exec"), {})

@@ -4,22 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from models import balanced_partitions, dynamic_micro_batches, fixed_micro_batches, token_logprobs
+from batch import balanced_partitions
+from conftest import padded_batch
+from models import dynamic_micro_batches, fixed_micro_batches, token_logprobs
 from rollout import response_mask_from_eos, responses_to_batch
-
-
-def left_padded_batch(prompt_lens, response_lens, P=6, R=5, vocab=300, seed=0):
-    """input_ids [b, P+R] with left-padded prompts and right-padded responses, masks and position ids."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(prompt_lens)
-    ids = torch.randint(10, vocab, (b, P + R), generator=g)
-    mask = torch.zeros(b, P + R, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        mask[i, P - p:P] = 1
-        mask[i, P:P + r] = 1
-    ids = ids * mask                       # padding id 0
-    pos = torch.clamp(torch.cumsum(mask, -1) - 1, min=0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, P:]}
 
 
 def reference_logprobs(model, batch, temperature):
@@ -39,7 +27,7 @@ def reference_logprobs(model, batch, temperature):
 
 def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
+    batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
     response_mask = batch["attention_mask"][:, 6:].bool()
     with torch.no_grad():
         expected = reference_logprobs(model, batch, temperature=0.7)
@@ -51,7 +39,7 @@ def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir):
 
 
 def test_packed_gradients_match_padded(tiny_model_dir):
-    batch = left_padded_batch([5, 2, 6], [3, 5, 2], seed=1)
+    batch = padded_batch([5, 2, 6], [3, 5, 2], seed=1)
     mask = batch["attention_mask"][:, 6:].float()
     grads = []
     for rmpad in (True, False):
@@ -67,9 +55,8 @@ def test_fixed_micro_batches():
 
 
 def test_balanced_partitions_equal_size():
-    # lengths 9,8,7,1,1,1 into 2 groups of 3: longest-first greedy gives {9,1,1}=11? no: 9->g0, 8->g1, 7->g1(8<9)
-    # then g0 (9) takes 1 -> 10, g1 (15) full? sizes: g0=[9], g1=[8,7]; next 1 -> g0 (9) -> 10; 1 -> g0 (10 < 15)
-    # -> g0 has 3 = full; last 1 -> g1 -> 16.  Groups: {0,3,4} (11) and {1,2,5} (16).
+    # lengths 9,8,7,1,1,1 into 2 groups of 3, longest first, each to the lightest group with room:
+    # 9 -> g0 (0); 8 -> g1 (0); 7 -> g1 (8 < 9): g1 = 15; 1 -> g0 (10); 1 -> g0 (11, now full); 1 -> g1 (16).
     parts = balanced_partitions([9, 8, 7, 1, 1, 1], 2, equal_size=True)
     assert parts == [[0, 3, 4], [1, 2, 5]]
 
@@ -105,7 +92,7 @@ def test_reward_model_score_equals_a_sequence_classification_forward(tiny_rm_dir
     from models import last_token_scores, load_model
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, dtype=torch.float32).eval()
     loaded = load_model(tiny_rm_dir, kind="token_cls").eval()
-    batch = left_padded_batch([6, 3, 1, 4], [5, 2, 4, 1], seed=3)
+    batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1], seed=3)
     with torch.no_grad():
         expected = torch.stack([reference(input_ids=row[m.bool()].unsqueeze(0)).logits[0, 0]
                                 for row, m in zip(batch["input_ids"], batch["attention_mask"])])
@@ -118,7 +105,7 @@ def test_reward_model_score_equals_a_sequence_classification_forward(tiny_rm_dir
 def test_critic_values_are_the_head_before_each_response_token(tiny_critic_dir):
     from models import load_model, token_values
     critic = load_model(tiny_critic_dir, kind="token_cls").eval()
-    batch = left_padded_batch([2, 6], [3, 5], seed=4)
+    batch = padded_batch([2, 6], [3, 5], seed=4)
     with torch.no_grad():
         values = token_values(critic, batch)                               # [2, R]
         row = batch["input_ids"][0][batch["attention_mask"][0].bool()].unsqueeze(0)   # 2 prompt + 3 response

@@ -88,8 +88,8 @@ def test_trainer_advantages_equal_gae_on_the_same_tensors(ppo_one_rank):
     call = ppo_one_rank["compute_advantages"]
     kw = call["kwargs"]
     assert call["args"] == ("gae",)
-    expected_adv, expected_ret = losses.gae_advantages(kw["token_rewards"], kw["values"], kw["mask"], gamma=1.0,
-                                                       lam=0.95)
+    expected_adv, expected_ret = losses.gae_advantages(token_rewards=kw["token_rewards"], values=kw["values"],
+                                                       mask=kw["mask"], gamma=1.0, lam=0.95)
     adv, ret = call["result"]
     assert torch.allclose(adv, expected_adv, atol=1e-6) and torch.allclose(ret, expected_ret, atol=1e-6)
     # the values are the critic's, computed before any update, zero outside the response mask
@@ -157,17 +157,37 @@ def test_ppo_checkpoint_resumes_critic_and_kl_controller_exactly(demo_dir, ppo_m
     assert "critic/vf_loss" in resumed[3] and resumed[3]["actor/reward_kl_penalty_coeff"] != 0.001
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                       "remax", "opo", "grpo_passk", "gpg"])
+# each critic-free estimator's formula, named here (not looked up in losses.ADVANTAGE_ESTIMATORS, the table the
+# trainer dispatches through)
+CRITIC_FREE_FORMULAS = {
+    "grpo": losses.grpo_advantages, "rloo": losses.rloo_advantages,
+    "reinforce_plus_plus": losses.reinforce_pp_advantages,
+    "reinforce_plus_plus_baseline": losses.reinforce_pp_baseline_advantages, "remax": losses.remax_advantages,
+    "opo": losses.opo_advantages, "grpo_passk": losses.grpo_passk_advantages, "gpg": losses.gpg_advantages,
+}
+
+
+@pytest.mark.parametrize("estimator", list(CRITIC_FREE_FORMULAS))
 def test_every_critic_free_estimator_trains(demo_dir, tmp_path, estimator):
-    """One step with each critic-free estimator through the real trainer (ReMax adds its greedy gen_max pass)."""
+    """One step with each critic-free estimator through the real trainer (ReMax adds its greedy gen_max pass).
+    The advantages the step computed and logged are the estimator's formula on the tensors the run recorded, and
+    (for every estimator but GRPO) they differ from GRPO's on the same tensors, so a trainer that silently fell
+    back to GRPO fails here."""
     out = tmp_path / estimator
     overrides = [o for o in base_overrides(demo_dir, out, 1) if not o.startswith(("algorithm.adv_estimator",
                                                                                   "critic."))]
-    torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", *overrides, f"algorithm.adv_estimator={estimator}",
-             "trainer.logger=[console]")
+    torchrun(1, "tests/ppo_probe.py", out / "probe.pt", *overrides, "actor_rollout_ref.rollout.n=4",
+             f"algorithm.adv_estimator={estimator}", "trainer.logger=[console]")
+    call = torch.load(out / "probe.pt", weights_only=False)["compute_advantages"]
+    assert call["args"] == (estimator,)
+    inputs, (adv, ret) = call["kwargs"], call["result"]
+    expected_adv, expected_ret = CRITIC_FREE_FORMULAS[estimator](**inputs)
+    assert torch.allclose(adv, expected_adv, atol=1e-6) and torch.allclose(ret, expected_ret, atol=1e-6)
+    if estimator != "grpo":
+        assert not torch.allclose(adv, losses.grpo_advantages(**inputs)[0], atol=1e-3)
     row = metric_rows(out / "metrics.jsonl")[1]
-    assert all(k in row for k in ("actor/pg_loss", "critic/advantages/mean", "actor/grad_norm"))
+    assert row["critic/advantages/mean"] == pytest.approx(float(adv[inputs["mask"].bool()].mean()), abs=1e-6)
+    assert "actor/pg_loss" in row and "actor/grad_norm" in row
     timings = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert ("timing_s/gen_max" in timings) == (estimator == "remax")
     # no KL loss and no KL in the reward: no reference model is built, no critic either

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import padded_batch
 from launch import ROOT, torchrun
 
 
