@@ -5,7 +5,7 @@ response. The rule the trainer follows (minirl.Trainer.train_step): every rank h
 its own rows (`rows_of_rank`), then gathers the results so every rank holds the full batch again.
 
 Left out: verl's DataProto (meta info, chunking, padding to a divisor); rows here always divide by the world size
-(config.batch_plan checks it, validation pads).
+(batch_plan.check_batch checks it, validation pads).
 """
 from __future__ import annotations
 

@@ -24,16 +24,20 @@ verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, 
                                              actor.checkpoint.save_contents has "hf_model"
         data.pt                              the prompt loader's position (epoch, batches done)
         trainer_state.json                   global step (+ state of any extra stateful object, e.g. a KL controller)
-        manifest.json                        every file above with its size: the "complete" marker
+        manifest.json                        every file above with its size and blake2b checksum: the "complete"
+                                             marker, written last
 
-A save writes into `global_step_N.incomplete/`, then rank 0 (after a barrier) writes the manifest, renames the
-folder into place and only then updates latest_checkpointed_iteration.txt, so a run killed mid-save leaves
-nothing that looks complete. resume_mode=auto takes the newest global_step_N whose manifest matches the files on
-disk. Shards are tied to the world size: resuming with another number of ranks is refused (export to HF and start
+A save writes into `global_step_N.incomplete/`; each rank hashes the files it wrote, rank 0 gathers the checksums,
+writes the manifest, renames the folder into place and only then updates latest_checkpointed_iteration.txt, so a
+run killed mid-save leaves nothing that looks complete. resume_mode=auto takes the newest global_step_N whose files
+all match the manifest (size and checksum: a truncated, missing or flipped-byte file is caught), says which ones it
+skipped and why, and stops with an error when checkpoints exist but none is intact (resume_mode=disable starts
+over). Shards are tied to the world size: resuming with another number of ranks is refused (export to HF and start
 a new run from the export instead).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -46,10 +50,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config import get_dotted
+
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
-FORMAT = "minirl-checkpoint-1"
+FORMAT = "minirl-checkpoint-2"          # 2: files map to {"bytes", "blake2b"}; 1 held sizes only
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # role -> (its save_contents in the config, its trainer.max_*_ckpt_to_keep key)
 ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint.save_contents", "max_actor_ckpt_to_keep"),
@@ -80,17 +86,10 @@ def _log(message):
         print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
 
 
-def _config_value(cfg, dotted):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def save_contents(cfg, role):
     """The role's checkpoint.save_contents, checked against what minirl can save."""
     dotted = ROLE_KEYS[role][0]
-    contents = list(_config_value(cfg, dotted))
+    contents = list(get_dotted(cfg, dotted))
     unknown = [c for c in contents if c not in CONTENTS]
     if unknown:
         raise CheckpointError(f"'{dotted}' has {unknown}; allowed: {list(CONTENTS)}")
@@ -207,8 +206,9 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None):
                          "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
         (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier()
+    digests = _gather_digests(staging, rank, world_size)
     if rank == 0:
-        _write_manifest(staging, step, world_size, manifest_roles)
+        _write_manifest(staging, step, world_size, manifest_roles, digests)
         _replace(staging, final)
         _write_atomically(root / TRACKER, str(step))
         prune(root, _keep(cfg, roles))
@@ -241,9 +241,29 @@ def _save_role(folder, role, contents, tokenizer, rank, world_size):
             write_hf_weights(weights, hf_dir)
 
 
-def _write_manifest(folder, step, world_size, roles):
-    files = {str(path.relative_to(folder)): path.stat().st_size
-             for path in sorted(folder.rglob("*")) if path.is_file()}
+def file_digest(path):
+    """blake2b of a file's bytes (hex), read in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "blake2b").hexdigest()
+
+
+def _gather_digests(folder, rank, world_size):
+    """{relative name: {"bytes", "blake2b"}} of every file in `folder`, on rank 0 (None elsewhere). Each rank
+    hashes the shard files it wrote (..._rank_R.pt), rank 0 the shared ones too, so the hashing is spread over
+    the ranks and every file is read once, just after it was written."""
+    mine = {}
+    for path in sorted(folder.rglob("*")):
+        shard_rank = re.search(r"_rank_(\d+)\.pt$", path.name)
+        if path.is_file() and (int(shard_rank.group(1)) == rank if shard_rank else rank == 0):
+            mine[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
+    if world_size == 1 or not dist.is_initialized():
+        return mine
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {name: entry for part in gathered for name, entry in part.items()} if rank == 0 else None
+
+
+def _write_manifest(folder, step, world_size, roles, files):
     manifest = {"format": FORMAT, "global_step": step, "world_size": world_size, "roles": roles, "files": files}
     path = folder / MANIFEST
     with open(path, "w") as f:
@@ -294,7 +314,7 @@ def prune(root, keep):
         shutil.rmtree(leftover, ignore_errors=True)
     if keep is None:
         return
-    complete = [path for _, path in step_dirs(root) if not problems(path)]
+    complete = [path for _, path in step_dirs(root) if not problems(path, checksums=False)]
     for path in complete[keep:]:
         shutil.rmtree(path)
 
@@ -303,8 +323,10 @@ def prune(root, keep):
 # Validate and resume
 
 
-def problems(step_dir):
-    """Why `step_dir` is not a complete checkpoint (a message naming the file), or None if it is."""
+def problems(step_dir, checksums=True):
+    """Why `step_dir` is not an intact checkpoint (a message naming the file), or None if it is: the manifest is
+    readable and lists the files a resume needs, and every file listed has its size and (checksums=True) its
+    blake2b checksum. A manifest of format 1 (sizes only) is checked by size."""
     step_dir = Path(step_dir)
     manifest_path = step_dir / MANIFEST
     if not manifest_path.is_file():
@@ -312,16 +334,30 @@ def problems(step_dir):
                 f"written last) or the folder was not written by minirl")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as err:
-        return f"{manifest_path} is unreadable ({err})"
-    for name, size in files.items():
+        files = {name: entry if isinstance(entry, dict) else {"bytes": entry}
+                 for name, entry in manifest["files"].items()}
+        sizes = {name: int(entry["bytes"]) for name, entry in files.items()}
+        world_size, roles, step = int(manifest["world_size"]), list(manifest["roles"]), int(manifest["global_step"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{manifest_path} is unreadable ({type(err).__name__}: {err})"
+    named = STEP_DIR.match(step_dir.name)
+    if named and int(named.group(1)) != step:
+        return f"{manifest_path} is for global step {step}, not {named.group(1)}"
+    needed = ["data.pt", "trainer_state.json"] + [f"{role}/{_shard_file('model', world_size, r)}"
+                                                  for role in roles for r in range(world_size)]
+    unlisted = [name for name in needed if name not in files]
+    if unlisted:
+        return f"{manifest_path} does not list {unlisted}"
+    for name, size in sizes.items():
         path = step_dir / name
         if not path.is_file():
             return f"{path} is missing"
         actual = path.stat().st_size
         if actual != size:
             return f"{path} is truncated or altered: {actual} bytes, the manifest says {size}"
+    for name, entry in files.items():
+        if checksums and "blake2b" in entry and file_digest(step_dir / name) != entry["blake2b"]:
+            return f"{step_dir / name} is corrupted: its bytes do not match the manifest's blake2b checksum"
     return None
 
 
@@ -339,8 +375,9 @@ def validate(step_dir, world_size, roles):
     Returns the manifest."""
     step_dir = Path(step_dir)
     if not STEP_DIR.match(step_dir.name) or not step_dir.is_dir():
-        raise CheckpointError(f"'{step_dir}' is not a checkpoint folder: trainer.resume_from_path must name a "
-                              f".../global_step_N folder written by minirl")
+        state = "does not exist" if not step_dir.exists() else "is not a checkpoint folder"
+        raise CheckpointError(f"'{step_dir}' {state}: trainer.resume_from_path must name a .../global_step_N "
+                              f"folder written by minirl")
     manifest = read_manifest(step_dir)
     if manifest["world_size"] != world_size:
         raise CheckpointError(
@@ -370,14 +407,59 @@ def _first_difference(saved, here):
     return "no difference"
 
 
-def latest(root):
-    """The newest complete global_step_N under root, or None. Incomplete ones are skipped with a warning."""
+def latest(root, checksums=True):
+    """The newest intact global_step_N under root, or None. Damaged or incomplete ones are skipped, saying why."""
     for _, path in step_dirs(root):
-        problem = problems(path)
+        problem = problems(path, checksums)
         if problem is None:
             return path
-        _log(f"skipping incomplete checkpoint {path}: {problem}")
+        _log(f"skipping damaged or incomplete checkpoint {path}: {problem}")
     return None
+
+
+def _auto_choice(root):
+    """resume_mode=auto on one process: (the newest intact checkpoint or None, an error message or None)."""
+    found = step_dirs(root)
+    if not found:
+        _log(f"no checkpoint in {root}; starting from scratch")
+        return None, None
+    chosen = latest(root)
+    if chosen is None:
+        return None, (f"trainer.resume_mode=auto found checkpoints in {root} but none is intact "
+                      f"({', '.join(path.name for _, path in found)}; the reasons are printed above). Remove or "
+                      f"repair them, resume one explicitly (trainer.resume_mode=resume_path), or start over with "
+                      f"trainer.resume_mode=disable")
+    tracker = Path(root) / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        if not text.isdigit():
+            _log(f"{tracker} holds {text[:40]!r}, not a step number; ignored")
+        elif f"global_step_{int(text)}" != chosen.name:
+            _log(f"{tracker} names step {int(text)}; the newest intact checkpoint is {chosen.name}")
+    if chosen != found[0][1]:
+        _log(f"falling back to the newest intact checkpoint, {chosen}")
+    return chosen, None
+
+
+def _agreed_auto_choice(root):
+    """Rank 0 checks the checkpoints (hashing every file once) and tells the other ranks what it found, so all
+    ranks resume from the same one or all stop with the same error."""
+    rank, world_size = _rank_and_world()
+    choice = list(_auto_choice(root)) if rank == 0 else [None, None]
+    if world_size > 1:
+        dist.broadcast_object_list(choice, src=0)
+    step_dir, error = choice
+    if error:
+        raise CheckpointError(error)
+    return step_dir
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged, "
+                              f"resume from an earlier global_step_N") from err
 
 
 def _torch_load(path):
@@ -399,10 +481,12 @@ def resume(cfg, roles, loader, stateful=None):
     if trainer.resume_mode == "disable":
         return 0
     if trainer.resume_mode == "auto":
-        step_dir = latest(trainer.default_local_dir)
+        step_dir = _agreed_auto_choice(trainer.default_local_dir)
         if step_dir is None:
-            _log(f"no complete checkpoint in {trainer.default_local_dir}; starting from scratch")
             return 0
+    elif not trainer.resume_from_path:
+        raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path: the "
+                              ".../global_step_N folder to resume from")
     else:
         step_dir = Path(trainer.resume_from_path).resolve()
     rank, world_size = _rank_and_world()
@@ -413,7 +497,7 @@ def resume(cfg, roles, loader, stateful=None):
         loader.load_state_dict(_torch_load(step_dir / "data.pt"))
     except ValueError as err:         # the data settings changed since the checkpoint
         raise CheckpointError(f"{step_dir / 'data.pt'}: {err}") from err
-    trainer_state = json.loads((step_dir / "trainer_state.json").read_text())
+    trainer_state = _read_json(step_dir / "trainer_state.json")
     for key, obj in (stateful or {}).items():
         if key not in trainer_state["stateful"]:
             raise CheckpointError(f"{step_dir / 'trainer_state.json'} has no state for '{key}' (the checkpointed "

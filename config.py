@@ -1,238 +1,44 @@
-"""minirl's configuration: verl's key tree, its defaults, loading, overrides and every check that can run
-before a model is loaded.
+"""minirl's configuration: loading (safe yaml reading, the two shapes, overrides), deriving verl's inherited values,
+and every check that can run before a model is loaded; `--to-verl`. The key table (defaults, types, valid ranges,
+choices, refusals) is config_keys.py, verl's own tree verl_keys.py, the batch arithmetic batch_plan.py.
 
 Two yaml shapes load:
   * the seed's shape:  af_output_dir + backend_config.{data, actor_rollout_ref, critic, reward_model, algorithm,
                        trainer, rollout} (+ engine_kwargs.vllm.* at the top level)
-  * verl's shape:      data, actor_rollout_ref, ... at the top level (af_output_dir optional)
-Merge order: DEFAULTS, then the yaml, then CLI overrides `a.b.c=value` (with or without `backend_config.`).
+  * verl's shape:      data, actor_rollout_ref, ... at the top level (af_output_dir optional); every key of verl
+                       v0.5.0's trainer config loads (verl_keys.py holds that tree and what minirl does with each key)
+Merge order: DEFAULTS, then the yaml, then CLI overrides in verl's (Hydra's) forms: `a.b.c=value`, `+a.b.c=value`,
+`a.b=[x,y]`, with or without `backend_config.`.
 
     cfg = load_config("config.yaml", ["data.train_batch_size=64"], world_size=2)
     cfg.actor_rollout_ref.actor.ppo_mini_batch_size   # attribute access, verl's names
 
-Every error names the key and the fix, and is raised as ConfigError before any model loads. The valid choices
-of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
+Every error names the key (or file, or override) and the fix, and is raised as ConfigError before any model
+loads: malformed yaml, unknown keys, wrong types, values out of range, batch sizes that do not divide. The valid
+choices of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
+Left out: Hydra's interpolations (`${...}`), config groups and `~key` deletion.
 """
 from __future__ import annotations
 
 import copy
 import difflib
+import json
+import math
 import os
+import re
+import shlex
 from pathlib import Path
 
 import yaml
 
-from data import TRUNCATION_MODES
-from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES
+from batch_plan import check_batch
+from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
+                         MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
+                         set_dotted)
+from verl_keys import NO_EFFECT, VERL_DEFAULTS, VERL_UNDECLARED
 
-ANY = object()  # marks a free-form dict: any keys pass through (e.g. engine_kwargs.vllm)
-
-_FSDP_CONFIG = {"param_offload": False, "optimizer_offload": False, "offload_policy": False,
-                "reshard_after_forward": True, "fsdp_size": -1, "forward_prefetch": False,
-                "wrap_policy": {"min_num_params": 0}, "model_dtype": None, "mixed_precision": None}
-_OPTIM = {"lr": 1e-6, "betas": [0.9, 0.999], "weight_decay": 0.01, "lr_warmup_steps": -1,
-          "lr_warmup_steps_ratio": 0.0, "warmup_style": "constant", "min_lr_ratio": 0.0, "num_cycles": 0.5,
-          "total_training_steps": -1}
-
-# verl v0.5.0's defaults (verl-semantics.md section 6) for every key minirl reads. A yaml key missing here is an
-# error (with a suggestion); keys of dicts marked ANY pass through untouched.
-DEFAULTS = {
-    "af_output_dir": "outputs",
-    "data": {
-        "tokenizer": None, "use_shm": False, "train_files": None, "val_files": None, "prompt_key": "prompt",
-        "reward_fn_key": "data_source", "max_prompt_length": 512, "max_response_length": 512,
-        "train_batch_size": 1024, "val_batch_size": None, "return_raw_input_ids": False, "return_raw_chat": False,
-        "return_full_prompt": False, "shuffle": True, "seed": 1, "dataloader_num_workers": 0,
-        "validation_shuffle": False, "filter_overlong_prompts": False, "filter_overlong_prompts_workers": 1,
-        "truncation": "error", "image_key": "images", "video_key": "videos", "trust_remote_code": False,
-        "custom_cls": {"path": None, "name": None},
-    },
-    "actor_rollout_ref": {
-        "hybrid_engine": True,
-        "model": {
-            "path": None, "custom_chat_template": None, "use_shm": False, "external_lib": None,
-            "override_config": ANY, "enable_gradient_checkpointing": True, "enable_activation_offload": False,
-            "use_remove_padding": False, "lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear",
-            "exclude_modules": None, "use_liger": False, "use_fused_kernels": False, "trust_remote_code": False,
-        },
-        "actor": {
-            "strategy": "fsdp2", "ppo_mini_batch_size": 256, "ppo_micro_batch_size": None,
-            "ppo_micro_batch_size_per_gpu": None, "use_dynamic_bsz": False, "ppo_max_token_len_per_gpu": 16384,
-            "clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_c": 3.0,
-            "policy_loss": {"loss_mode": "vanilla"}, "loss_agg_mode": "token-mean", "entropy_coeff": 0.0,
-            "use_kl_loss": False, "use_torch_compile": True, "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl",
-            "ppo_epochs": 1, "shuffle": False, "ulysses_sequence_parallel_size": 1, "grad_clip": 1.0,
-            "entropy_from_logits_with_chunking": False, "entropy_checkpointing": False,
-            "checkpoint": {"save_contents": ["model", "optimizer", "extra"],
-                           "load_contents": ["model", "optimizer", "extra"]},
-            "optim": dict(_OPTIM), "fsdp_config": dict(_FSDP_CONFIG),
-        },
-        "ref": {
-            "strategy": "fsdp2", "use_torch_compile": None, "log_prob_micro_batch_size": None,
-            "log_prob_micro_batch_size_per_gpu": None, "log_prob_use_dynamic_bsz": None,
-            "log_prob_max_token_len_per_gpu": None, "ulysses_sequence_parallel_size": None,
-            "fsdp_config": dict(_FSDP_CONFIG),
-        },
-        "rollout": {
-            "name": "vllm", "mode": "sync", "temperature": 1.0, "top_k": -1, "top_p": 1.0, "do_sample": True,
-            "n": 1, "prompt_length": None, "response_length": None, "dtype": "bfloat16",
-            "gpu_memory_utilization": 0.5, "ignore_eos": False, "enforce_eager": True, "free_cache_engine": True,
-            "load_format": "dummy_dtensor", "layered_summon": False, "tensor_model_parallel_size": 2,
-            "max_num_batched_tokens": 8192, "max_model_len": None, "max_num_seqs": 1024,
-            "enable_chunked_prefill": True, "log_prob_micro_batch_size": None,
-            "log_prob_micro_batch_size_per_gpu": None, "log_prob_use_dynamic_bsz": None,
-            "log_prob_max_token_len_per_gpu": None, "disable_log_stats": True, "calculate_log_probs": False,
-            "update_weights_bucket_megabytes": 512,
-            "engine_kwargs": {"vllm": ANY, "sglang": ANY},
-            "val_kwargs": {"top_k": -1, "top_p": 1.0, "temperature": 0.0, "n": 1, "do_sample": False},
-            "multi_turn": {
-                "enable": False, "max_assistant_turns": None, "tool_config_path": None, "max_user_turns": None,
-                "max_parallel_calls": 1, "max_tool_response_length": 256, "tool_response_truncate_side": "middle",
-                "interaction_config_path": None, "use_inference_chat_template": False,
-                "tokenization_sanity_check_mode": "strict", "format": "hermes",
-            },
-        },
-    },
-    "critic": {
-        "rollout_n": None, "strategy": "fsdp2", "optim": dict(_OPTIM, lr=1e-5),
-        "model": {"path": None, "tokenizer_path": None, "override_config": ANY,
-                  "enable_gradient_checkpointing": True, "use_remove_padding": False, "trust_remote_code": False,
-                  "fsdp_config": dict(_FSDP_CONFIG), "lora_rank": 0, "lora_alpha": 16,
-                  "target_modules": "all-linear"},
-        "ppo_mini_batch_size": None, "ppo_micro_batch_size": None, "ppo_micro_batch_size_per_gpu": None,
-        "forward_micro_batch_size": None, "forward_micro_batch_size_per_gpu": None, "use_dynamic_bsz": None,
-        "ppo_max_token_len_per_gpu": 32768, "forward_max_token_len_per_gpu": None, "ulysses_sequence_parallel_size": 1,
-        "ppo_epochs": None, "shuffle": None, "grad_clip": 1.0, "cliprange_value": 0.5, "loss_agg_mode": None,
-        "checkpoint": {"save_contents": ["model", "optimizer", "extra"],
-                       "load_contents": ["model", "optimizer", "extra"]},
-    },
-    "reward_model": {
-        "enable": False, "strategy": "fsdp2",
-        "model": {"input_tokenizer": None, "path": None, "use_remove_padding": False, "trust_remote_code": False,
-                  "fsdp_config": dict(_FSDP_CONFIG)},
-        "micro_batch_size": None, "micro_batch_size_per_gpu": None, "max_length": None, "use_dynamic_bsz": None,
-        "forward_max_token_len_per_gpu": None, "reward_manager": "naive", "launch_reward_fn_async": False,
-    },
-    "custom_reward_function": {"path": None, "name": "compute_score"},
-    "algorithm": {
-        "gamma": 1.0, "lam": 1.0, "adv_estimator": "gae", "norm_adv_by_std_in_grpo": True,
-        "use_kl_in_reward": False, "kl_penalty": "kl",
-        "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "horizon": 10000, "target_kl": 0.1},
-    },
-    "trainer": {
-        "balance_batch": True, "total_epochs": 30, "total_training_steps": None, "project_name": "minirl",
-        "experiment_name": "demo", "logger": ["console"], "log_val_generations": 0, "rollout_data_dir": None,
-        "validation_data_dir": None, "nnodes": 1, "n_gpus_per_node": None, "save_freq": -1,
-        "resume_mode": "auto", "resume_from_path": None, "val_before_train": True, "val_only": False,
-        "test_freq": -1, "critic_warmup": 0, "default_hdfs_dir": None, "del_local_ckpt_after_load": False,
-        "default_local_dir": None, "max_actor_ckpt_to_keep": None, "max_critic_ckpt_to_keep": None,
-        "device": "auto", "seed": 1, "hdfs_cache_dir": None,
-    },
-    # one-step-off-policy's separate rollout pool (verl's top-level `rollout:` section)
-    "rollout": {"nnodes": 1, "n_gpus_per_node": None},
-}
-
-# Keys whose default is None, and what they hold when set.
-OPTIONAL_TYPES = {
-    "data.train_files": (str, list), "data.val_files": (str, list), "data.val_batch_size": int,
-    "data.tokenizer": str, "actor_rollout_ref.model.path": str, "actor_rollout_ref.model.custom_chat_template": str,
-    "actor_rollout_ref.model.external_lib": str, "actor_rollout_ref.model.exclude_modules": (str, list),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": int, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": int,
-    **{f"actor_rollout_ref.{worker}.{key}": kind for worker in ("ref", "rollout") for key, kind in (
-        ("log_prob_micro_batch_size", int), ("log_prob_micro_batch_size_per_gpu", int),
-        ("log_prob_use_dynamic_bsz", bool), ("log_prob_max_token_len_per_gpu", int))},
-    "actor_rollout_ref.ref.use_torch_compile": bool, "actor_rollout_ref.ref.ulysses_sequence_parallel_size": int,
-    "actor_rollout_ref.rollout.prompt_length": int, "actor_rollout_ref.rollout.response_length": int,
-    **{f"critic.{key}": int for key in ("rollout_n", "ppo_mini_batch_size", "ppo_micro_batch_size",
-                                        "ppo_micro_batch_size_per_gpu", "forward_micro_batch_size",
-                                        "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu",
-                                        "ppo_epochs")},
-    "critic.use_dynamic_bsz": bool, "critic.shuffle": bool, "critic.loss_agg_mode": str,
-    "critic.model.tokenizer_path": str, "reward_model.model.input_tokenizer": str,
-    **{f"reward_model.{key}": int for key in ("micro_batch_size", "micro_batch_size_per_gpu", "max_length",
-                                              "forward_max_token_len_per_gpu")},
-    "reward_model.use_dynamic_bsz": bool, "trainer.rollout_data_dir": str, "trainer.validation_data_dir": str,
-    "trainer.hdfs_cache_dir": str,
-    "actor_rollout_ref.actor.clip_ratio_low": float, "actor_rollout_ref.actor.clip_ratio_high": float,
-    "trainer.total_training_steps": int, "trainer.resume_from_path": str, "trainer.default_local_dir": str,
-    "trainer.max_actor_ckpt_to_keep": int, "trainer.max_critic_ckpt_to_keep": int, "trainer.n_gpus_per_node": int,
-    "rollout.n_gpus_per_node": int, "critic.model.path": str, "reward_model.model.path": str,
-    "custom_reward_function.path": str, "actor_rollout_ref.rollout.multi_turn.tool_config_path": str,
-    "actor_rollout_ref.rollout.max_model_len": int,
-    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": int,
-    "actor_rollout_ref.rollout.multi_turn.max_user_turns": int,
-}
-
-CHOICES = {
-    "data.truncation": TRUNCATION_MODES,
-    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
-    "actor_rollout_ref.actor.kl_loss_type": KL_PENALTY_KINDS,
-    "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
-    "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla",),
-    "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
-    "actor_rollout_ref.rollout.name": ("hf", "vllm"),
-    "actor_rollout_ref.rollout.mode": ("sync", "async"),
-    "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
-    "algorithm.kl_penalty": KL_PENALTY_KINDS,
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "trainer.resume_mode": ("auto", "disable", "resume_path"),
-    "trainer.device": ("auto", "cpu", "cuda", "npu"),
-    "reward_model.reward_manager": ("naive",),
-}
-LOGGERS = ("console", "tensorboard", "wandb")
-
-# Accepted so verl configs load, but the feature behind them is not built yet: setting them is an error.
-NOT_YET = {
-    "actor_rollout_ref.model.lora_rank": (0, "LoRA"),
-    "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
-    "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
-    "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),
-    "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),
-    "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
-    "trainer.nnodes": (1, "multi-node training (minirl runs on one host)"),
-    "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
-}
-
-# verl keys that load (so verl configs work) but change nothing in minirl: set to anything but their default, they
-# earn a warning naming them. Prefixes end with '.'.
-NO_EFFECT = {
-    "data.use_shm": "files are read from their local path",
-    "data.val_batch_size": "validation generates the whole set at once (verl's default)",
-    "data.return_raw_input_ids": "the raw prompt ids always travel with the batch",
-    "data.return_full_prompt": "not returned",
-    "data.dataloader_num_workers": "prompts are loaded in the trainer process",
-    "data.validation_shuffle": "validation keeps the file order",
-    "data.filter_overlong_prompts_workers": "filtering runs in the trainer process",
-    "data.video_key": "videos are not supported yet",
-    "data.custom_cls.": "the dataset class is fixed",
-    "actor_rollout_ref.model.use_shm": "models are read from their local path",
-    "actor_rollout_ref.model.external_lib": "not imported",
-    "actor_rollout_ref.model.enable_activation_offload": "activations stay on the device",
-    "actor_rollout_ref.model.use_liger": "no Liger kernels",
-    "actor_rollout_ref.model.use_fused_kernels": "no fused log-prob kernels",
-    "actor_rollout_ref.actor.entropy_checkpointing": "entropy is not checkpointed",
-    "actor_rollout_ref.actor.shuffle": "mini-batches keep their order (verl ignores it too)",
-    "actor_rollout_ref.actor.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
-    "actor_rollout_ref.ref.fsdp_config.": "FSDP2 shards every decoder layer and the root",
-    "critic.model.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
-    "critic.model.lora_rank": "the critic is fully fine-tuned",
-    "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
-    "reward_model.launch_reward_fn_async": "rewards are computed in the step",
-    "actor_rollout_ref.rollout.layered_summon": "weights are gathered one tensor at a time",
-    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "weights are sent one tensor at a time",
-    "actor_rollout_ref.rollout.calculate_log_probs": "vLLM's log-probs are always compared (rollout_probs_diff)",
-    "trainer.log_val_generations": "validation generations are not logged",
-    "trainer.default_hdfs_dir": "checkpoints are written locally",
-    "trainer.del_local_ckpt_after_load": "checkpoints are kept",
-}
-
-SEED_SECTIONS = ("data", "actor_rollout_ref", "critic", "reward_model", "algorithm", "trainer", "rollout",
-                 "custom_reward_function")
-
-
-class ConfigError(ValueError):
-    """A config problem, found before any model loads; the message names the key and the fix."""
+__all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect", "to_verl",
+           "planning_world_size"]     # DEFAULTS, ConfigError and get_dotted are config_keys', re-exported
 
 
 class Config(dict):
@@ -267,28 +73,23 @@ def _plain(tree):
     return tree
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Loading and merging
-
 def _defaults():
-    def fresh(tree):
-        if tree is ANY:
-            return {}
-        if isinstance(tree, dict):
-            return {k: fresh(v) for k, v in tree.items()}
-        return copy.deepcopy(tree)
-    return fresh(DEFAULTS)
+    def fresh(node):
+        return {k: fresh(v) if isinstance(v, dict) else copy.deepcopy(v.default) for k, v in node.items()}
+    return fresh(SCHEMA)
 
 
 _UNKNOWN = object()
 
 
 def _schema_at(path):
-    """The default at `path` (ANY inside free-form dicts), or _UNKNOWN."""
-    node = DEFAULTS
+    """The schema node at `path`: a dict, a Key, free() for anything inside a free-form mapping, or _UNKNOWN."""
+    node = SCHEMA
     for part in path:
-        if node is ANY:
-            return ANY
+        if isinstance(node, Key) and node.kinds is dict:
+            return node
+        if part == "_target_":          # the dataclass verl builds from a section: accepted anywhere
+            return Key(None)
         if not isinstance(node, dict) or part not in node:
             return _UNKNOWN
         node = node[part]
@@ -298,50 +99,45 @@ def _schema_at(path):
 def _unknown_key_error(path, source):
     parent, key = path[:-1], path[-1]
     siblings = list(_schema_at(parent).keys()) if isinstance(_schema_at(parent), dict) else []
-    everywhere = _all_dotted_keys()
     guess = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if guess:
         hint = f"did you mean '{'.'.join(parent + [guess[0]])}'?"
     else:
         # the key may exist in another section (e.g. 'ppo_epochs' under 'data')
-        same = [k for k in everywhere if k.endswith("." + key)]
-        close = same or difflib.get_close_matches(".".join(path), everywhere, n=1, cutoff=0.7)
+        same = [k for k in ALL_KEYS if k.endswith("." + key)]
+        close = same or difflib.get_close_matches(".".join(path), ALL_KEYS, n=1, cutoff=0.7)
         hint = f"did you mean '{close[0]}'?" if close else "see config.yaml for the valid keys."
     return ConfigError(f"unknown config key '{'.'.join(path)}' (from {source}): {hint}")
-
-
-def _all_dotted_keys(node=DEFAULTS, prefix=""):
-    keys = []
-    for k, v in node.items():
-        dotted = prefix + k
-        if isinstance(v, dict):
-            keys += _all_dotted_keys(v, dotted + ".")
-        else:
-            keys.append(dotted)
-    return keys
 
 
 def _merge(base, update, path, source):
     """Merge `update` into `base` in place, refusing keys the schema does not know."""
     for key, value in update.items():
-        here = path + [str(key)]
+        here = path + [key]
         schema = _schema_at(here)
         if schema is _UNKNOWN:
             raise _unknown_key_error(here, source)
-        if schema is ANY or _schema_at(path) is ANY:
-            if isinstance(value, dict) and isinstance(base.get(key), dict):
-                _deep_update(base[key], value)
-            else:
-                base[key] = value
+        if isinstance(schema, Key) and schema.kinds is dict and isinstance(value, dict):
+            if not isinstance(base.get(key), dict):
+                base[key] = {}
+            _deep_update(base[key], value)
         elif isinstance(schema, dict):
             if value is None:
                 continue
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{'.'.join(here)}' (from {source}) must be a mapping of keys, "
-                                  f"got {value!r}")
+                                  f"got {_show(value)}")
             _merge(base[key], value, here, source)
         else:
             base[key] = value
+
+
+def _deep_update(base, update):
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
 
 
 def _normalise_shape(raw, source):
@@ -349,13 +145,13 @@ def _normalise_shape(raw, source):
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
     raw = dict(raw)
     tree = {}
     backend = raw.pop("backend_config", None)
     if backend is not None:
         if not isinstance(backend, dict):
-            raise ConfigError(f"{source}: 'backend_config' must be a mapping")
+            raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(backend)}")
         tree.update(backend)
     for key in list(raw):
         if key in ("af_output_dir",) or key in SEED_SECTIONS:
@@ -368,36 +164,123 @@ def _normalise_shape(raw, source):
         # the seed's position for verl's actor_rollout_ref.rollout.engine_kwargs
         if not isinstance(engine_kwargs, dict):
             raise ConfigError(f"{source}: 'engine_kwargs' must be a mapping like {{vllm: {{...}}}}")
-        rollout = tree.setdefault("actor_rollout_ref", {}).setdefault("rollout", {})
+        section = tree.setdefault("actor_rollout_ref", {})
+        rollout = section.setdefault("rollout", {}) if isinstance(section, dict) else None
+        if not isinstance(rollout, dict):
+            raise ConfigError(f"{source}: 'actor_rollout_ref.rollout' must be a mapping of keys")
         _deep_update(rollout.setdefault("engine_kwargs", {}), engine_kwargs)
     if raw:
-        key = next(iter(raw))
-        raise _unknown_key_error([key], source)
+        raise _unknown_key_error([next(iter(raw))], source)
     return tree
 
 
-def _deep_update(base, update):
-    for k, v in update.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _deep_update(base[k], v)
-        else:
-            base[k] = v
+# ----------------------------------------------------------------------------------------------------------------
+# Reading yaml safely: bounded size, depth and expanded size; no tags; string keys
+
+def _cut(text, limit=200):
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _show(value, limit=60):
+    return _cut(repr(value), limit)
+
+
+_NEST_OPEN = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+              yaml.FlowSequenceStartToken)
+_NEST_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def parse_yaml(text, source):
+    """yaml.safe_load(text) after a token scan (iterative, so it cannot recurse) that refuses nesting deeper than
+    MAX_DEPTH and tags; then a bounded copy that refuses alias bombs, self-references and non-string keys."""
+    depth = 0
+    try:
+        for token in yaml.scan(text):
+            if isinstance(token, _NEST_OPEN):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise ConfigError(f"{source}: nested deeper than {MAX_DEPTH} levels; a config is a shallow tree")
+            elif isinstance(token, _NEST_CLOSE):
+                depth -= 1
+            elif isinstance(token, yaml.TagToken):
+                raise ConfigError(f"{source}: yaml tags ({''.join(token.value)}) are not accepted; "
+                                  f"write a plain value (quote it to keep it a string)")
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source} is not valid yaml: {getattr(err, 'problem', None) or err}{where}; "
+                          f"quote values that hold yaml's special characters") from None
+    return _plain_tree(tree, source, [], [MAX_VALUES], set())
+
+
+def _plain_tree(tree, source, path, budget, ancestors):
+    """A copy of the loaded tree with aliases expanded, bounded in size and depth, every key a string."""
+    budget[0] -= 1
+    where = f" at '{'.'.join(map(str, path))}'" if path else ""
+    if budget[0] < 0:
+        raise ConfigError(f"{source}: more than {MAX_VALUES} values once its aliases are expanded (an alias bomb?)")
+    if len(path) > MAX_DEPTH:
+        raise ConfigError(f"{source}: nested deeper than {MAX_DEPTH} levels{where}; a config is a shallow tree")
+    if not isinstance(tree, (dict, list)):
+        return tree
+    if id(tree) in ancestors:
+        raise ConfigError(f"{source}: a value contains itself (an alias to its own anchor){where}")
+    ancestors.add(id(tree))
+    if isinstance(tree, list):
+        plain = [_plain_tree(item, source, path + [i], budget, ancestors) for i, item in enumerate(tree)]
+    else:
+        for key in tree:
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}: key {_show(key)} ({type(key).__name__}){where} is not a name; "
+                                  f"keys are verl's names (quote it if it is one)")
+        plain = {key: _plain_tree(value, source, path + [key], budget, ancestors) for key, value in tree.items()}
+    ancestors.discard(id(tree))
+    return plain
+
+
+def read_config_file(path):
+    """The yaml mapping in the file at `path`; every way the file can be wrong is a ConfigError naming it."""
+    source = f"config file '{_cut(str(path))}'"
+    try:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{source} does not exist or is not a regular file (pass --config PATH)")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source} is {path.stat().st_size} bytes; a config is at most {MAX_CONFIG_BYTES}")
+        data = path.read_bytes()[:MAX_CONFIG_BYTES + 1]
+    except OSError as err:
+        raise ConfigError(f"{source} cannot be read: {err.strerror or err}") from None
+    if b"\0" in data:
+        raise ConfigError(f"{source} is not a text file (binary, or UTF-16); save it as UTF-8 yaml")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source} is not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
+    return parse_yaml(text, source)
 
 
 def parse_override(text):
-    """'backend_config.data.train_batch_size=64' -> (['data', 'train_batch_size'], 64)."""
+    """One command-line override in verl's (Hydra's) forms -> (key parts, value):
+    'data.train_batch_size=64', '+trainer.seed=3' (Hydra's add), 'backend_config.data.train_files=[a,b]'."""
+    source = f"override '{_cut(text, 80)}'"
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise ConfigError(f"{source} is {len(text)} characters long; the most is {MAX_OVERRIDE_CHARS}")
+    if text.strip().startswith("~"):
+        raise ConfigError(f"{source}: deleting a key (~key) is not supported; set it to its default instead")
     if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like key.path=value (e.g. data.train_batch_size=64)")
+        raise ConfigError(f"{source} must look like key.path=value (e.g. data.train_batch_size=64)")
     key, value = text.split("=", 1)
-    key = key.strip().lstrip("+")
+    key = key.strip()
+    key = key.lstrip("+")
     parts = key.split(".")
     if parts[0] == "backend_config":
         parts = parts[1:]
-    if parts[0] == "engine_kwargs":
+    if parts and parts[0] == "engine_kwargs":
         parts = ["actor_rollout_ref", "rollout"] + parts
-    if not parts or not all(parts):
-        raise ConfigError(f"override '{text}' has an empty key")
-    return parts, yaml.safe_load(value) if value.strip() else None
+    if not all(re.fullmatch(r"[A-Za-z0-9_\-]+", part) for part in parts) or (not parts and key != "backend_config"):
+        raise ConfigError(f"{source} has a malformed key '{_cut(key, 80)}'; keys look like data.train_batch_size")
+    return parts, parse_yaml(value, source) if value.strip() else None
 
 
 def _nest(parts, value):
@@ -411,19 +294,16 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
     """Defaults <- yaml at `path` <- overrides; then derive, validate and return a Config."""
     tree = _defaults()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist (pass --config PATH)")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file '{path}' is not valid yaml: {err}") from err
-        _merge(tree, _normalise_shape(raw, str(path)), [], str(path))
+        _merge(tree, _normalise_shape(read_config_file(path), f"config file '{path}'"), [], str(path))
     for text in overrides:
         parts, value = parse_override(text)
-        _merge(tree, _nest(parts, value), [], f"override '{text}'")
+        source = f"override '{_cut(text, 80)}'"
+        if not parts and not isinstance(value, dict):
+            raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(value)}")
+        _merge(tree, _nest(parts, value), [], source)
     cfg = Config.wrap(tree)
     check_types(cfg)
+    check_ranges(cfg)
     derive(cfg)
     validate(cfg, world_size=world_size or int(os.environ.get("WORLD_SIZE", "0")) or None, check_paths=check_paths)
     return cfg
@@ -464,44 +344,47 @@ def derive(cfg):
     rm.model.input_tokenizer = rm.model.input_tokenizer or arr.model.path
     rm.use_dynamic_bsz = critic.use_dynamic_bsz if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
     rm.forward_max_token_len_per_gpu = rm.forward_max_token_len_per_gpu or critic.forward_max_token_len_per_gpu
+    if critic.optim.min_lr_ratio is None:          # verl's critic default
+        critic.optim.min_lr_ratio = 0.0
     if rollout.max_model_len is None:
         rollout.max_model_len = rollout.prompt_length + rollout.response_length
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checks
+# Checks: types and ranges (read from the key table), choices, refusals, required keys, paths
 
-def _get(cfg, dotted):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+def _has_kind(value, kinds):
+    if isinstance(kinds, tuple):
+        return any(_has_kind(value, kind) for kind in kinds)
+    if isinstance(kinds, list):
+        return isinstance(value, list) and all(_has_kind(item, kinds[0]) for item in value)
+    if kinds is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kinds is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kinds)
 
 
-def check_types(cfg, node=DEFAULTS, prefix=""):
-    """Every value has the type of its default (int accepted for float, null for optional keys)."""
-    for key, default in node.items():
-        dotted = prefix + key
-        if default is ANY:
-            if not isinstance(_get(cfg, dotted), dict):
-                raise ConfigError(f"config key '{dotted}' must be a mapping")
-            continue
-        if isinstance(default, dict):
-            check_types(cfg, default, dotted + ".")
-            continue
-        value = _get(cfg, dotted)
-        want = OPTIONAL_TYPES.get(dotted) if default is None else type(default)
-        if want is float and isinstance(value, str):
+def _kind_name(kinds):
+    if isinstance(kinds, tuple):
+        return " or ".join(_kind_name(kind) for kind in kinds)
+    if isinstance(kinds, list):
+        return f"a list of {_kind_name(kinds[0])}"
+    return "a mapping" if kinds is dict else kinds.__name__
+
+
+def check_types(cfg):
+    """Every value has its key's type (int accepted for float; null where the key, or verl, allows null)."""
+    for dotted, spec in leaves():
+        value = get_dotted(cfg, dotted)
+        if spec.kinds is float and isinstance(value, str):
             value = _float_or_same(value)   # yaml reads 1e-6 (no dot) as a string
-            _set(cfg, dotted, value)
-        if want is None or (value is None and default is None):
+            set_dotted(cfg, dotted, value)
+        if (value is None and spec.nullable) or spec.kinds is None:
             continue
-        wants = want if isinstance(want, tuple) else (want,)
-        ok = any(_is_type(value, w) for w in wants)
-        if not ok:
-            names = " or ".join(w.__name__ for w in wants)
-            raise ConfigError(f"config key '{dotted}' must be {names}, got {value!r} ({type(value).__name__}); "
-                              f"default is {default!r}")
+        if not _has_kind(value, spec.kinds):
+            raise ConfigError(f"config key '{dotted}' must be {_kind_name(spec.kinds)}, got {_show(value)} "
+                              f"({type(value).__name__}); default is {spec.default!r}")
 
 
 def _float_or_same(text):
@@ -511,31 +394,50 @@ def _float_or_same(text):
         return text
 
 
-def _set(cfg, dotted, value):
-    *parents, last = dotted.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    node[last] = value
+def _in_range(number, valid):
+    """`valid` is interval notation, e.g. '(0, 1]', '[1, inf)', '-1 or [1, inf)'."""
+    for part in valid.split(" or "):
+        interval = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", part)
+        if interval is None:
+            if number == float(part):
+                return True
+            continue
+        low, high = float(interval[2]), float(interval[3])
+        if ((low < number or (interval[1] == "[" and number == low))
+                and (number < high or (interval[4] == "]" and number == high))):
+            return True
+    return False
 
 
-def _is_type(value, want):
-    if want is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if want is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, want)
+def check_ranges(cfg):
+    """Every number is finite and inside its key's range (lists: each element)."""
+    for dotted, spec in leaves():
+        value = get_dotted(cfg, dotted)
+        for number in value if isinstance(value, list) else [value]:
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                continue
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ConfigError(f"config key '{dotted}'={number} is not a finite number; default is "
+                                  f"{spec.default!r}")
+            if spec.valid and not _in_range(number, spec.valid):
+                why = f" ({spec.why})" if spec.why else ""
+                raise ConfigError(f"config key '{dotted}'={_show(value)} is out of range: valid is {spec.valid}"
+                                  f"{why}; default is {spec.default!r}")
+
+
+def _no_effect_reason(dotted):
+    return next((why for key, why in NO_EFFECT.items()
+                 if dotted == key.rstrip(".") or (key.endswith((".", "_")) and dotted.startswith(key))), None)
 
 
 def settings_without_effect(cfg):
-    """Warnings for NO_EFFECT keys set away from their defaults (printed by minirl.py at start-up)."""
-    defaults = Config.wrap(_defaults())
+    """Warnings for NO_EFFECT keys set away from both minirl's and verl's default (printed at start-up)."""
+    defaults = _defaults()
     found = []
-    for dotted in _all_dotted_keys():
-        reason = next((why for key, why in NO_EFFECT.items() if dotted == key or
-                       (key.endswith(".") and dotted.startswith(key))), None)
-        if reason and _get(cfg, dotted) != _get(defaults, dotted):
-            found.append(f"config key '{dotted}'={_get(cfg, dotted)!r} has no effect in minirl: {reason}")
+    for dotted in ALL_KEYS:
+        reason, value = _no_effect_reason(dotted), get_dotted(cfg, dotted)
+        if reason and value != get_dotted(defaults, dotted) and value != get_dotted(VERL_DEFAULTS, dotted, None):
+            found.append(f"config key '{dotted}'={_show(value)} has no effect in minirl: {reason}")
     return found
 
 
@@ -545,20 +447,20 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_algorithm(cfg)
     _check_sequence_parallel(cfg)
     if world_size:
-        batch_plan(cfg, world_size)  # raises on batch arithmetic that does not divide
+        check_batch(cfg, world_size)
     if check_paths:
         _check_paths(cfg)
 
 
 def _check_choices(cfg):
     for dotted, choices in CHOICES.items():
-        value = _get(cfg, dotted)
+        value = get_dotted(cfg, dotted)
         if value not in choices:
             guess = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean '{guess[0]}'?)" if guess else ""
-            raise ConfigError(f"config key '{dotted}' is {value!r}{hint}; choose one of: {', '.join(choices)}")
+            raise ConfigError(f"config key '{dotted}' is {_show(value)}{hint}; choose one of: {', '.join(choices)}")
     loggers = cfg.trainer.logger
-    loggers = [loggers] if isinstance(loggers, str) else loggers
+    loggers = [loggers] if isinstance(loggers, str) else loggers     # verl takes `trainer.logger=console` too
     bad = [name for name in loggers if name not in LOGGERS]
     if bad:
         raise ConfigError(f"config key 'trainer.logger' has unknown entries {bad}; choose from: {', '.join(LOGGERS)}")
@@ -567,18 +469,13 @@ def _check_choices(cfg):
 
 def _check_not_yet(cfg):
     for dotted, (default, feature) in NOT_YET.items():
-        if _get(cfg, dotted) != default:
-            raise ConfigError(f"config key '{dotted}' enables {feature}, which minirl does not implement yet; "
-                              f"leave it at {default!r}")
+        if get_dotted(cfg, dotted) != default:
+            raise ConfigError(f"config key '{dotted}' enables {feature}, which minirl does not implement yet "
+                              f"(got {_show(get_dotted(cfg, dotted))}); leave it at {default!r}")
 
 
 def _check_algorithm(cfg):
-    actor, alg = cfg.actor_rollout_ref.actor, cfg.algorithm
-    if actor.clip_ratio_c <= 1.0:
-        raise ConfigError(f"config key 'actor_rollout_ref.actor.clip_ratio_c' must be > 1 (dual clip), "
-                          f"got {actor.clip_ratio_c}")
-    if alg.kl_ctrl.type == "adaptive" and alg.kl_ctrl.horizon <= 0:
-        raise ConfigError("config key 'algorithm.kl_ctrl.horizon' must be > 0 for the adaptive KL controller")
+    alg = cfg.algorithm
     if alg.adv_estimator == "gae" and not cfg.critic.model.path:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: set 'critic.model.path', or choose a "
                           "critic-free estimator such as algorithm.adv_estimator=grpo")
@@ -588,11 +485,10 @@ def _check_algorithm(cfg):
         raise ConfigError("config key 'actor_rollout_ref.model.path' is required (a local or hdfs:// model folder)")
     if not cfg.data.train_files:
         raise ConfigError("config key 'data.train_files' is required (a parquet path or a list of them)")
-    for dotted in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-                   "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.n",
-                   "actor_rollout_ref.actor.ppo_epochs"):
-        if _get(cfg, dotted) <= 0:
-            raise ConfigError(f"config key '{dotted}' must be positive, got {_get(cfg, dotted)}")
+    for role in ("actor_rollout_ref.actor", "critic"):
+        if len(get_dotted(cfg, role + ".optim.betas")) != 2:
+            raise ConfigError(f"config key '{role}.optim.betas' must hold two numbers (Adam's beta1, beta2), got "
+                              f"{get_dotted(cfg, role + '.optim.betas')}")
 
 
 SEQUENCE_PARALLEL_KEYS = {       # each worker's Ulysses size -> the key that switches its packed forward on
@@ -605,174 +501,113 @@ SEQUENCE_PARALLEL_KEYS = {       # each worker's Ulysses size -> the key that sw
 def _check_sequence_parallel(cfg):
     """Ulysses splits the packed row, so it needs the packed forward (verl asserts the same)."""
     for dotted, packed in SEQUENCE_PARALLEL_KEYS.items():
-        sp = _get(cfg, dotted)
         if dotted.startswith("critic.") and cfg.algorithm.adv_estimator != "gae":
             continue                                    # no critic is built
-        if sp < 1:
-            raise ConfigError(f"config key '{dotted}' must be >= 1, got {sp}")
-        if sp > 1 and not _get(cfg, packed):
+        sp = get_dotted(cfg, dotted)
+        if sp > 1 and not get_dotted(cfg, packed):
             raise ConfigError(f"'{dotted}'={sp} (Ulysses sequence parallel) splits the packed row of a micro-batch; "
                               f"set '{packed}=true'")
 
 
 def _check_paths(cfg):
-    def exists(dotted, value):
+    def exists(dotted, value, folder):
         for item in ([value] if isinstance(value, str) else value):
-            if isinstance(item, str) and not item.startswith("hdfs://") and not Path(item).expanduser().exists():
-                raise ConfigError(f"config key '{dotted}': path '{item}' does not exist")
+            if item.startswith("hdfs://"):
+                continue
+            path = Path(item).expanduser()
+            try:
+                found, right_kind = path.exists(), path.is_dir() if folder else path.is_file() or path.is_dir()
+            except OSError as err:       # e.g. a name longer than the file system allows
+                raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' cannot be used: "
+                                  f"{err.strerror or err}") from None
+            if not found:
+                raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' does not exist")
+            if not right_kind:
+                raise ConfigError(f"config key '{dotted}': '{_cut(item)}' is not a "
+                                  f"{'folder' if folder else 'file or folder'}")
 
-    exists("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
-    exists("data.train_files", cfg.data.train_files)
+    exists("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, folder=True)
+    exists("data.train_files", cfg.data.train_files, folder=False)
     if cfg.data.val_files:
-        exists("data.val_files", cfg.data.val_files)
+        exists("data.val_files", cfg.data.val_files, folder=False)
     if cfg.algorithm.adv_estimator == "gae":
-        exists("critic.model.path", cfg.critic.model.path)
+        exists("critic.model.path", cfg.critic.model.path, folder=True)
     if cfg.reward_model.enable:
-        exists("reward_model.model.path", cfg.reward_model.model.path)
+        exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
     if cfg.custom_reward_function.path:
-        exists("custom_reward_function.path", cfg.custom_reward_function.path)
+        exists("custom_reward_function.path", cfg.custom_reward_function.path, folder=False)
     if cfg.trainer.resume_mode == "resume_path":
         if not cfg.trainer.resume_from_path:
             raise ConfigError("trainer.resume_mode=resume_path needs 'trainer.resume_from_path' "
                               "(a .../global_step_N folder)")
-        exists("trainer.resume_from_path", cfg.trainer.resume_from_path)
+        exists("trainer.resume_from_path", cfg.trainer.resume_from_path, folder=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Batch arithmetic (verl-semantics.md section 3.1)
+# Planning without torchrun, and the way to verl
 
-def _micro_per_gpu(per_gpu, global_size, dp, dotted):
-    if per_gpu is not None and global_size is not None:
-        raise ConfigError(f"set only one of '{dotted}_per_gpu' and the deprecated '{dotted}'")
-    if per_gpu is None and global_size is not None:
-        if global_size % dp:
-            raise ConfigError(f"'{dotted}'={global_size} must be divisible by the {dp} data-parallel ranks; "
-                              f"prefer '{dotted}_per_gpu'")
-        return global_size // dp
-    return per_gpu
-
-
-def batch_plan(cfg, world_size):
-    """The step's batch arithmetic for `world_size` ranks; raises ConfigError where it does not divide."""
-    data, arr = cfg.data, cfg.actor_rollout_ref
-    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
-    n = rollout.n
-    dp, ref_dp = (_data_parallel(cfg, world_size, f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
-                  for role in ("actor", "ref"))
-    if cfg.trainer.n_gpus_per_node not in (None, world_size):
-        raise ConfigError(f"'trainer.n_gpus_per_node'={cfg.trainer.n_gpus_per_node} but {world_size} processes "
-                          f"were started; set it to {world_size} or null (torchrun's --nproc_per_node decides)")
-    if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
-        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
-                          f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
-    responses = data.train_batch_size * n
-    if responses % world_size:
-        raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "
-                          f"must be divisible by the world size {world_size}; change 'data.train_batch_size'")
-    if data.train_batch_size < actor.ppo_mini_batch_size:
-        raise ConfigError(f"'data.train_batch_size'={data.train_batch_size} must be >= "
-                          f"'actor_rollout_ref.actor.ppo_mini_batch_size'={actor.ppo_mini_batch_size}")
-    if data.train_batch_size % actor.ppo_mini_batch_size:
-        raise ConfigError(f"'data.train_batch_size'={data.train_batch_size} must be a multiple of "
-                          f"'actor_rollout_ref.actor.ppo_mini_batch_size'={actor.ppo_mini_batch_size}")
-    if (actor.ppo_mini_batch_size * n) % dp:
-        raise ConfigError(f"ppo_mini_batch_size * rollout.n = {actor.ppo_mini_batch_size * n} responses must be "
-                          f"divisible by the {dp} data-parallel ranks")
-    mini_per_rank = actor.ppo_mini_batch_size * n // dp
-    micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp,
-                           "actor_rollout_ref.actor.ppo_micro_batch_size")
-    if not actor.use_dynamic_bsz:
-        if micro is None:
-            raise ConfigError("set 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' "
-                              "(or use_dynamic_bsz=true with ppo_max_token_len_per_gpu)")
-        if micro <= 0 or mini_per_rank % micro:
-            raise ConfigError(f"the mini-batch per rank is ppo_mini_batch_size*n/dp = "
-                              f"{actor.ppo_mini_batch_size}*{n}/{dp} = {mini_per_rank} responses, which "
-                              f"'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'={micro} must divide")
-    max_len = data.max_prompt_length + data.max_response_length
-    sp = world_size // dp
-    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * sp < max_len:   # the budget covers sp devices
-        raise ConfigError(f"'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'={actor.ppo_max_token_len_per_gpu} "
-                          f"(x ulysses_sequence_parallel_size {sp}) must be at least "
-                          f"max_prompt_length + max_response_length = {max_len}")
-    log_prob_micro = {}
-    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp),
-                                      (ref, "actor_rollout_ref.ref", ref_dp)):
-        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
-                              prefix + ".log_prob_micro_batch_size")
-        if size is None and not worker.log_prob_use_dynamic_bsz:
-            raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
-        log_prob_micro[prefix] = size
-    mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
-    plan = {
-        "world_size": world_size, "dp": dp, "sp": sp, "responses_per_step": responses,
-        "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
-        "responses_per_mini_batch_per_rank": mini_per_rank,
-        "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
-        "micro_batches_per_mini_batch": "dynamic" if actor.use_dynamic_bsz else mini_per_rank // micro,
-        "optimizer_steps_per_step": actor.ppo_epochs * mini_batches,
-        "old_log_prob_micro_batch": log_prob_micro["actor_rollout_ref.rollout"],
-        "ref_log_prob_micro_batch": log_prob_micro["actor_rollout_ref.ref"],
-    }
-    if cfg.algorithm.adv_estimator == "gae":
-        plan.update(_critic_plan(cfg, _data_parallel(cfg, world_size, "critic.ulysses_sequence_parallel_size")))
-    if cfg.reward_model.enable:
-        rm = cfg.reward_model
-        # the reward model runs without sequence parallelism: data parallel over all ranks
-        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size,
-                                                          "reward_model.micro_batch_size")
-        if plan["reward_model_micro_batch"] is None and not rm.use_dynamic_bsz:
-            raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
-    return plan
+def planning_world_size(cfg, requested=None):
+    """(world size, where it came from) for --print-config: --world-size, else torchrun's WORLD_SIZE, else
+    trainer.nnodes x trainer.n_gpus_per_node when set, else 1."""
+    if requested:
+        return requested, "--world-size"
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE"
+    if cfg.trainer.n_gpus_per_node:
+        return (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
+                f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}")
+    return 1, "neither --world-size nor trainer.n_gpus_per_node is set"
 
 
-def _data_parallel(cfg, world_size, sp_key):
-    """A worker's data-parallel size: world / its ulysses_sequence_parallel_size (verl's dp with sp)."""
-    sp = _get(cfg, sp_key)
-    if world_size % sp:
-        raise ConfigError(f"'{sp_key}'={sp} must divide the world size {world_size} (groups of sp consecutive "
-                          f"ranks share one data-parallel share of the batch)")
-    return world_size // sp
+VERL_REFUSES = {"trainer.device": ("auto", "cpu"), "trainer.n_gpus_per_node": (None,)}   # minirl's values only
 
 
-def _critic_plan(cfg, dp):
-    """The critic's own mini/micro batches: ppo_mini_batch_size prompts x critic.rollout_n responses."""
-    critic = cfg.critic
-    mini = critic.ppo_mini_batch_size * critic.rollout_n
-    if mini % dp:
-        raise ConfigError(f"critic.ppo_mini_batch_size * rollout.n = {mini} responses must be divisible by the "
-                          f"{dp} data-parallel ranks")
-    if cfg.data.train_batch_size % critic.ppo_mini_batch_size:
-        raise ConfigError(f"'data.train_batch_size'={cfg.data.train_batch_size} must be a multiple of "
-                          f"'critic.ppo_mini_batch_size'={critic.ppo_mini_batch_size}")
-    micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp,
-                           "critic.ppo_micro_batch_size")
-    if not critic.use_dynamic_bsz and (micro is None or micro <= 0 or (mini // dp) % micro):
-        raise ConfigError(f"the critic's mini-batch per rank is {mini // dp} responses; set "
-                          f"'critic.ppo_micro_batch_size_per_gpu' to a divisor of it (or critic.use_dynamic_bsz)")
-    forward = critic.forward_micro_batch_size_per_gpu or micro
-    return {"critic_dp": dp, "critic_responses_per_mini_batch_per_rank": mini // dp, "critic_micro_batch": micro,
-            "critic_forward_micro_batch": forward}
+def _hydra_value(value):
+    """`value` as Hydra (and minirl's yaml reading) parse it back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        text = repr(value)
+        return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text   # yaml 1.1 needs the dot
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_hydra_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_hydra_value(item)}" for key, item in value.items()) + "}"
+    plain = (re.fullmatch(r"[A-Za-z0-9_./~+-]+", value) and yaml.safe_load(value) == value
+             and _float_or_same(value) == value)
+    return value if plain else json.dumps(value)
 
 
-def total_training_steps(cfg, batches_per_epoch):
-    """verl: len(dataloader) * total_epochs, unless trainer.total_training_steps is set."""
-    if cfg.trainer.total_training_steps:
-        return cfg.trainer.total_training_steps
-    return batches_per_epoch * cfg.trainer.total_epochs
-
-
-def format_plan(plan, steps=None):
-    lines = ["batch plan:",
-             f"  world size {plan['world_size']} (data-parallel {plan['dp']} x sequence-parallel {plan['sp']})",
-             f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
-             f"per rank {plan['responses_per_rank']}",
-             f"  mini-batches per step {plan['mini_batches_per_step']}, "
-             f"{plan['responses_per_mini_batch_per_rank']} responses per rank each",
-             f"  micro-batches per mini-batch {plan['micro_batches_per_mini_batch']} "
-             f"(micro batch {plan['micro_batch_per_rank']} per rank)",
-             f"  optimizer steps per training step {plan['optimizer_steps_per_step']} (ppo_epochs x mini-batches)"]
-    if steps is not None:
-        lines.append(f"  training steps {steps}, optimizer steps in total {steps * plan['optimizer_steps_per_step']}")
-    return "\n".join(lines)
-
+def to_verl(cfg, world_size=None):
+    """verl's command line for the resolved config (the seed's backend_config flattened): every verl key whose value
+    differs from verl's default or minirl's, so that the line loads in both to this config; then a comment listing
+    the minirl-only settings it leaves out, in the same key=value form. `world_size` (--world-size) fills
+    trainer.n_gpus_per_node when it is null (torchrun decides in minirl; verl needs the number)."""
+    defaults = _defaults()
+    args, left_out = [], []
+    for dotted in ALL_KEYS:
+        value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
+        if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
+            value = world_size
+        if dotted in VERL_UNDECLARED:
+            if value != VERL_UNDECLARED[dotted] or value != get_dotted(defaults, dotted):
+                args.append(f"+{dotted}={_hydra_value(value)}")
+        elif dotted in MINIRL_ONLY or value in VERL_REFUSES.get(dotted, ()):
+            if value != get_dotted(defaults, dotted):     # loading the line in minirl gives the default back
+                left_out.append(f"{dotted}={_hydra_value(value)}")
+        elif value == verl_default and value == get_dotted(defaults, dotted):
+            continue
+        elif isinstance(value, dict):     # free-form: one entry each; '+' adds a key verl's tree lacks
+            verl_default, ours = verl_default or {}, get_dotted(defaults, dotted)
+            args += [f"{'' if key in verl_default else '+'}{dotted}.{key}={_hydra_value(item)}"
+                     for key, item in value.items()
+                     if verl_default.get(key, _UNKNOWN) != item or ours.get(key, _UNKNOWN) != item]
+        else:
+            args.append(f"{dotted}={_hydra_value(value)}")
+    lines = ["python3 -m verl.trainer.main_ppo"] + [shlex.quote(arg) for arg in args]
+    return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
+            "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")

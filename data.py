@@ -83,7 +83,7 @@ class RLHFDataset:
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
                  prompt_key="prompt", image_key="images", return_raw_chat=False, chat_template=None,
-                 processor=None):
+                 processor=None, reward_fn_key="data_source"):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if processor is not None:
@@ -98,6 +98,7 @@ class RLHFDataset:
         self.image_key = image_key
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
+        self.reward_fn_key = reward_fn_key
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
         self.rows, self.origins = [], []
         for path in _as_path_list(files):
@@ -109,15 +110,22 @@ class RLHFDataset:
             self._drop_overlong_prompts()
 
     def _read_file(self, path):
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"data file {path} does not exist")
-        table = pq.read_table(path)
+        if not path.is_file():
+            raise ValueError(f"data file {path} is not a regular file; point the config at a .parquet file")
+        try:
+            table = pq.read_table(path)
+            rows = table.to_pylist()
+        except Exception as err:      # whatever the parquet reader trips on: a damaged or non-parquet file
+            detail = (str(err).splitlines() or [""])[0][:200]
+            raise ValueError(f"data file {path} cannot be read as parquet ({type(err).__name__}: {detail}); it is "
+                             f"damaged, unreadable or not a parquet file: re-create or re-download it") from err
         for column in (self.prompt_key, *REQUIRED_COLUMNS):
             if column not in table.column_names:
                 raise ValueError(f"{path}: column {column!r} is missing (columns: {table.column_names}); "
                                  f"preprocess the data into verl format (see `python data.py gsm8k`) or set "
                                  f"data.prompt_key to the column holding the chat messages")
-        rows = table.to_pylist()
         for row_number, row in enumerate(rows):
             self._check_row(row, path, row_number)
         return rows
@@ -156,6 +164,11 @@ class RLHFDataset:
     def __len__(self):
         return len(self.rows)
 
+    def where(self, i):
+        """"file, row N": where row i came from, for error messages (carried through the batch as `origin`)."""
+        path, row_number, _ = self.origins[i]
+        return f"{path}, row {row_number}"
+
     def check_prompt_lengths(self):
         """With truncation=error, fail now, naming the first overlong row, rather than in the middle of training."""
         if self.truncation != "error":
@@ -188,7 +201,10 @@ class RLHFDataset:
             "extra_info": row["extra_info"],
             "ability": row.get("ability"),
             "index": row["extra_info"].get("index", self.origins[i][2]),
+            "origin": self.where(i),
         }
+        if self.reward_fn_key in row:              # a data.reward_fn_key other than data_source travels too
+            item[self.reward_fn_key] = row[self.reward_fn_key]
         if self.return_raw_chat:
             item["raw_prompt"] = self._messages(row)
         if row.get(self.image_key):

@@ -5,6 +5,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
 
     torchrun --nproc_per_node 2 minirl.py --config config.yaml [key=value ...]
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
+    python minirl.py --config config.yaml --to-verl            # the same run as a verl command line
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
     python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
 
@@ -48,14 +49,16 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import checkpoint
+import failures
 import losses
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
-from config import (ConfigError, batch_plan, format_plan, load_config, settings_without_effect,
-                    total_training_steps)
+from batch_plan import batch_plan, format_plan, total_training_steps
+from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
+                    to_verl)
 from data import PromptLoader, RLHFDataset, collate
 from models import Critic, Policy, RewardModel, full_state_dict_items
-from rewards import load_reward_fn, score_responses, token_level_scores
+from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,7 +101,8 @@ def init_distributed(device_type, backend):
         device = torch.device(device_type, local_rank)
         getattr(torch, device_type).set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
+        failures.watch_parent()
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -154,10 +158,8 @@ def resolve_paths(cfg):
     cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
     for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
                    "reward_model.model.path"):
-        *parents, key = dotted.split(".")
-        section = cfg
-        for part in parents:
-            section = section[part]
+        parent, key = dotted.rsplit(".", 1)
+        section = get_dotted(cfg, parent)
         value = section[key]
         if not value:
             continue
@@ -228,12 +230,23 @@ class Tracker:
 
 
 def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place)."""
+    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
+    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= step]
-    if len(kept) < len(lines):
+    text = path.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
+                  file=sys.stderr, flush=True)
+            continue
+        if keep:
+            kept.append(line)
+    if len(kept) < len(lines) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
@@ -297,7 +310,8 @@ class Trainer:
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
         if device_type == "cpu":        # share the cores between the ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))   # on this node
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
@@ -307,7 +321,7 @@ class Trainer:
                               image_key=data.image_key,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template)
+                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -318,6 +332,9 @@ class Trainer:
                               f"({len(self.train_set)} prompts after filtering)")
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
+            rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
+            check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
@@ -369,7 +386,7 @@ class Trainer:
             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                    batch["extra_info"])
+                                    batch["extra_info"], batch["origin"])
         return torch.tensor(scores, dtype=torch.float32)
 
     # -- one training step ----------------------------------------------------------------------------------
@@ -561,8 +578,9 @@ class Trainer:
             + (" (trainer.resume_mode=auto resumes from it)" if last_good else ""))
 
     def close(self):
-        """Flush the logs, wait for every rank, then stop the rollout engine: vLLM's shutdown destroys the default
-        process group, so it comes after the last collective."""
+        """After a successful run only (a failed one ends in failures.exit_now): flush the logs, wait for every
+        rank, then stop the rollout engine: vLLM's shutdown destroys the default process group, so it comes after
+        the last collective."""
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
@@ -642,10 +660,15 @@ def plot(run_dir, out=None):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="Overrides: key.path=value, with or without 'backend_config.'")
+                                     epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
+                                            "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
-    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for")
+    parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
+                        "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1); with --to-verl: "
+                        "trainer.n_gpus_per_node when it is null")
+    parser.add_argument("--to-verl", action="store_true",
+                        help="print verl's command line (python3 -m verl.trainer.main_ppo ...) for the resolved config")
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
     parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
                         help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
@@ -654,15 +677,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def print_config(cfg, world_size):
+def print_config(cfg, world_size, source):
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(f"planning for world size {world_size} ({source})")
     plan = batch_plan(cfg, world_size)
     steps = None
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
-    except (OSError, ImportError):
+    except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
     print(format_plan(plan, steps))
 
@@ -679,36 +703,38 @@ def main(argv=None):
             print(f"checkpoint error: {err}", file=sys.stderr)
             return 2
         return 0
-    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, world_size=world_size)
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
         if args.print_config:
-            print_config(cfg, world_size)
+            print_config(cfg, *planning_world_size(cfg, args.world_size))
+            return 0
+        if args.to_verl:
+            print(to_verl(cfg, args.world_size), end="")
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             for warning in settings_without_effect(cfg):
                 print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
+            print(f"config error: {err}", file=sys.stderr)
         return 2
+    return train(cfg)
+
+
+def train(cfg):
+    """Set up and train. Any failure on any rank (an exception, Ctrl-C) is printed once and ends this process
+    at once, without the closing barrier the other ranks would never reach (failures.py); torchrun then stops
+    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted."""
+    known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
+    trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
         trainer = Trainer(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as err:       # bad data or model files, found while setting up
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except checkpoint.CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        return 2
-    try:
+        expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
         trainer.fit()
-    except TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        return 3
-    finally:
-        trainer.close()
+    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
+        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+        return failures.exit_now(failures.report(err, rank, expected))
+    trainer.close()
     return 0
 
 

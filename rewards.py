@@ -5,21 +5,28 @@ What it does: turns a decoded response and a ground truth into a scalar score, p
 token. Usage:
 
     fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)  # None -> built-ins
-    scores, extras = score_responses(fn, responses, data_sources, ground_truths, extra_infos)
+    check_rows(fn, [(where, row), ...])               # before any model loads: every row can be scored
+    scores, extras = score_responses(fn, responses, data_sources, ground_truths, extra_infos, origins)
     token_scores = token_level_scores(torch.tensor(scores), response_mask)               # [B, R]
 
 Built-in data sources (see SCORERS): openai/gsm8k, the three MATH names, hiyouga/geometry3k and the demo task
 minirl/add. Any scorer takes (data_source, solution_str, ground_truth, extra_info=None), the signature verl uses for
-`custom_reward_function`, and returns a number or a dict holding "score".
+`custom_reward_function`, and returns a number or a dict holding "score" (finite, |score| <= MAX_ABS_SCORE).
+A custom function that scores without answers says so with `compute_score.needs_ground_truth = False`.
 The answer comparisons (verl's MATH normal form, our stand-in for mathruler's grader) live in math_grader.py.
 """
 import importlib.util
 import math
 import os
 import re
+import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import torch
 
+from failures import ReportedError
 from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_is_equiv
 
 
@@ -171,6 +178,76 @@ def _excerpt(text, width=120):
     return text[:width // 2] + " ... " + text[-width // 2:]
 
 
+MAX_ABS_SCORE = 1e6       # a larger reward is a bug (1e300 would turn into inf advantages and NaN losses)
+STALL_WARNING_S = 10.0    # one reward call running longer than this is reported while it runs
+
+
+class RewardFunctionError(ReportedError):
+    """A reward function raised or returned something that is not a score. The run shows the function's own
+    traceback (shown_traceback) once, then this summary naming the dataset file, row and data_source."""
+
+    def __init__(self, message, cause=None):
+        super().__init__(message)
+        self.shown_traceback = cause
+
+
+def needs_ground_truth(fn):
+    """Whether `fn` needs each row's reward_model.ground_truth. The built-in scorers do; a custom function
+    declares that it does not with an attribute: `compute_score.needs_ground_truth = False`."""
+    return getattr(fn, "needs_ground_truth", True)
+
+
+def check_rows(fn, rows, reward_fn_key="data_source"):
+    """Before any model loads: every row's `reward_fn_key` value names a data source `fn` can score and, unless
+    fn declares otherwise, the row has a ground truth. rows: [(where, row dict)], where = "file, row N"; fn None
+    (a reward model scores) checks the column only. Raises ValueError naming the first bad row and the fix."""
+    for where, row in rows:
+        if reward_fn_key not in row:
+            raise ValueError(f"{where}: data.reward_fn_key={reward_fn_key!r} names no column of this file "
+                             f"(columns: {sorted(row)}); set data.reward_fn_key to the column holding the data "
+                             f"source")
+        source = row[reward_fn_key]
+        if source is None or source == "":
+            raise ValueError(f"{where}: column {reward_fn_key!r} is empty; every row needs a data source (it "
+                             f"selects the reward function)")
+        if fn is None:
+            continue
+        if fn is default_compute_score and source not in SCORERS:
+            raise ValueError(f"{where}: no built-in reward for {reward_fn_key}={source!r}; built-in: "
+                             f"{sorted(SCORERS)}. Write compute_score(data_source, solution_str, ground_truth, "
+                             f"extra_info=None) in a .py file and set custom_reward_function.path")
+        truth = (row.get("reward_model") or {}).get("ground_truth")
+        if needs_ground_truth(fn) and (truth is None or truth == ""):
+            raise ValueError(f"{where}: reward_model.ground_truth is missing (data_source={source!r}), so the rule "
+                             f"reward could only score the format; add the answers to the data, or use a custom "
+                             f"reward function that declares `compute_score.needs_ground_truth = False`")
+
+
+@contextmanager
+def stall_warnings(fn_name, limit_s=None):
+    """Yields a dict to fill with {"where": ..., "since": time.monotonic()} before each call (None after it); a
+    watcher thread prints a warning naming the function and the row when one call runs past limit_s."""
+    limit_s = STALL_WARNING_S if limit_s is None else limit_s
+    current, done = {"where": None, "since": 0.0}, threading.Event()
+
+    def watch():
+        warned = None
+        while not done.wait(min(1.0, limit_s)):
+            where, since = current["where"], current["since"]
+            if where is not None and where != warned and time.monotonic() - since > limit_s:
+                print(f"warning: reward function {fn_name} has been running for over {limit_s:.0f} s on {where}",
+                      file=sys.stderr, flush=True)
+                warned = where
+
+    watcher = threading.Thread(target=watch, name="minirl-reward-stall-watch", daemon=True)
+    watcher.start()
+    try:
+        yield current
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _score_and_extra(result):
     """(float score, extra dict) from a scorer result: a number/bool or a dict holding "score"."""
     extra = {}
@@ -186,38 +263,47 @@ def _score_and_extra(result):
     if score is None:
         raise ValueError(f"score must be a number, a bool or a dict with 'score'; got {type(result).__name__} "
                          f"{result!r:.80}")
-    if not math.isfinite(score):
-        raise ValueError(f"score is {score}")
+    if not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
+        raise ValueError(f"score is {score}; it must be a finite number of magnitude at most {MAX_ABS_SCORE:g}")
     return score, extra
 
 
-def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None):
+def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None, origins=None):
     """Score every row with fn; returns (scores: list[float], extras: list[dict]).
 
     fn is called with keywords, as verl's NaiveRewardManager does. extras[i] holds the keys of a dict result other
-    than "score" ({} for a plain number). Any failure names the row instead of producing a silent wrong score.
+    than "score" ({} for a plain number). origins[i] ("file, row N" of the dataset) names a row in errors and stall
+    warnings. Any failure raises RewardFunctionError naming the row instead of producing a silent wrong score.
     """
     if extra_infos is None:
         extra_infos = [None] * len(responses)
-    lengths = {len(responses), len(data_sources), len(ground_truths), len(extra_infos)}
+    if origins is None:
+        origins = [f"row {row} of the batch" for row in range(len(responses))]
+    lengths = {len(responses), len(data_sources), len(ground_truths), len(extra_infos), len(origins)}
     if len(lengths) != 1:
-        raise ValueError(f"responses/data_sources/ground_truths/extra_infos have different lengths "
-                         f"{len(responses)}/{len(data_sources)}/{len(ground_truths)}/{len(extra_infos)}")
+        raise ValueError(f"responses/data_sources/ground_truths/extra_infos/origins have different lengths "
+                         f"{len(responses)}/{len(data_sources)}/{len(ground_truths)}/{len(extra_infos)}/"
+                         f"{len(origins)}")
+    name = getattr(fn, "__name__", repr(fn))
     scores, extras = [], []
-    for row, (response, source, truth, info) in enumerate(zip(responses, data_sources, ground_truths, extra_infos)):
-        where = f"row {row} (data_source={source!r}, response={_excerpt(response)!r})"
-        try:
-            result = fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=info)
-        except Exception as error:
-            raise RuntimeError(f"reward function {getattr(fn, '__name__', fn)} raised on {where}: {error!r}") \
-                from error
-        try:
-            score, extra = _score_and_extra(result)
-        except ValueError as error:
-            raise RuntimeError(f"reward function {getattr(fn, '__name__', fn)} returned a bad score on {where}: "
-                               f"{error}") from error
-        scores.append(score)
-        extras.append(extra)
+    with stall_warnings(name) as current:
+        for response, source, truth, info, origin in zip(responses, data_sources, ground_truths, extra_infos,
+                                                         origins):
+            where = f"{origin} (data_source={source!r}, response={_excerpt(response)!r})"
+            current.update(where=where, since=time.monotonic())
+            try:
+                result = fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=info)
+            except Exception as error:
+                raise RewardFunctionError(f"reward function {name} raised {type(error).__name__} on {where}: "
+                                          f"{error}", cause=error) from error
+            current["where"] = None
+            try:
+                score, extra = _score_and_extra(result)
+            except ValueError as error:
+                raise RewardFunctionError(f"reward function {name} returned a bad score on {where}: {error}") \
+                    from error
+            scores.append(score)
+            extras.append(extra)
     return scores, extras
 
 

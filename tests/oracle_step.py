@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
-from config import batch_plan, load_config  # noqa: E402
+from batch_plan import batch_plan  # noqa: E402
+from config import load_config  # noqa: E402
 from minirl import Policy, init_distributed, seed_everything  # noqa: E402
 
 BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",

@@ -5,6 +5,7 @@ Hugging Face export, the non-finite guard, and clear errors for every kind of ba
 Every run trains on 8 prompts, 4 per step (so 2 steps per epoch), n=2, 8 response tokens, 5 steps, and saves
 every 2 steps and at the last: global_step_2 (the end of epoch 0), global_step_4, global_step_5.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -97,7 +98,11 @@ def test_layout_is_verls_and_old_checkpoints_are_pruned(run_a):
     assert set(extra["rng"]) >= {"python", "numpy", "torch"}
     assert extra["counters"] == {"skipped_steps": 0}
     manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["files"]["data.pt"] == (step / "data.pt").stat().st_size
+    on_disk = {str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != "manifest.json"}
+    assert set(manifest["files"]) == on_disk                       # every file, each with its size and checksum
+    for name in ("data.pt", "actor/model_world_size_2_rank_1.pt", "actor/huggingface/model.safetensors"):
+        content = (step / name).read_bytes()
+        assert manifest["files"][name] == {"bytes": len(content), "blake2b": hashlib.blake2b(content).hexdigest()}
     assert not list(root.glob("*.incomplete"))
 
 
@@ -289,8 +294,102 @@ def test_auto_never_picks_an_incomplete_checkpoint(ckpt_copy):
 def test_corrupt_shard_content_is_named(ckpt_copy):
     shard = ckpt_copy / "global_step_4" / "actor" / "model_world_size_2_rank_1.pt"
     shard.write_bytes(b"\0" * shard.stat().st_size)                 # right size, wrong bytes
-    with pytest.raises(checkpoint.CheckpointError, match=r"model_world_size_2_rank_1\.pt cannot be read"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"model_world_size_2_rank_1\.pt is corrupted"):
         checkpoint.consolidate(ckpt_copy / "global_step_4")
+
+
+def flip_bytes(path, count=64):
+    """Invert `count` bytes in the middle of a file: same size, different content (what a bad disk does)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(255 - b for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["actor/model_world_size_2_rank_1.pt", "actor/optim_world_size_2_rank_0.pt",
+                                  "actor/extra_state_world_size_2_rank_1.pt", "data.pt", "trainer_state.json",
+                                  "actor/huggingface/config.json"])
+def test_same_size_damage_to_any_file_is_caught(ckpt_copy, name):
+    step = ckpt_copy / "global_step_4"
+    assert checkpoint.problems(step) is None
+    flip_bytes(step / name)
+    assert checkpoint.problems(step) == f"{step / name} is corrupted: its bytes do not match the manifest's " \
+                                        f"blake2b checksum"
+    assert checkpoint.problems(step, checksums=False) is None       # what a size-only manifest let through
+
+
+@pytest.mark.parametrize("garbage, reason", [
+    (b"\x00\xff\xfe garbage", "UnicodeDecodeError"), (b"{\"files\": ", "JSONDecodeError"), (b"[1, 2]", "TypeError"),
+    (b'{"format": 2, "global_step": 4, "world_size": 2, "roles": {}, "files": {"data.pt": "big"}}', "ValueError"),
+])
+def test_garbage_manifest_is_named(ckpt_copy, garbage, reason):
+    step = ckpt_copy / "global_step_4"
+    (step / "manifest.json").write_bytes(garbage)
+    assert checkpoint.problems(step).startswith(f"{step / 'manifest.json'} is unreadable ({reason}")
+
+
+def test_a_manifest_must_list_what_a_resume_needs(ckpt_copy):
+    step = ckpt_copy / "global_step_4"
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["files"]["actor/model_world_size_2_rank_1.pt"]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert "does not list ['actor/model_world_size_2_rank_1.pt']" in checkpoint.problems(step)
+
+
+def resume_cfg(*overrides):
+    from config import load_config
+    return load_config(ROOT / "config.yaml", list(overrides), check_paths=False)
+
+
+def test_resume_path_errors_are_clear(ckpt_copy):
+    for path, message in ((ckpt_copy / "global_step_9", "does not exist: trainer.resume_from_path must name"),
+                          (ckpt_copy, "is not a checkpoint folder")):
+        cfg = resume_cfg("trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}")
+        with pytest.raises(checkpoint.CheckpointError, match=message):
+            checkpoint.resume(cfg, roles={}, loader=None)
+    flip_bytes(ckpt_copy / "global_step_4" / "data.pt")
+    cfg = resume_cfg("trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt_copy / 'global_step_4'}")
+    with pytest.raises(checkpoint.CheckpointError, match=r"global_step_4' is incomplete: .*data\.pt is corrupted"):
+        checkpoint.resume(cfg, roles={}, loader=None)
+
+
+def damaged_copy_of(run_dir, tmp_path):
+    """run A's whole output folder (checkpoints global_step_4 and _5, metrics.jsonl), copied to damage."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("tensorboard", "vllm"))
+    return out
+
+
+def test_auto_resume_falls_back_past_a_silently_corrupted_checkpoint(run_a, demo_dir, data_file, tmp_path):
+    """The issue's case: 64 bytes flipped inside the newest model shard (same size), garbage in
+    latest_checkpointed_iteration.txt and a partial last line in metrics.jsonl (a crash during the append). The
+    rerun says what it skipped, resumes from global_step_4 and trains step 5 exactly as the uninterrupted run."""
+    out = damaged_copy_of(run_a, tmp_path)
+    flip_bytes(out / "checkpoints" / "global_step_5" / "actor" / "model_world_size_2_rank_0.pt")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("5\x00garbage")
+    with open(out / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 6, "critic/sco')
+    result = train(demo_dir, data_file, out)
+    log = result.stderr
+    assert "skipping damaged or incomplete checkpoint" in log and "model_world_size_2_rank_0.pt is corrupted" in log
+    assert "latest_checkpointed_iteration.txt holds '5\\x00garbage', not a step number; ignored" in log
+    assert f"falling back to the newest intact checkpoint, {out / 'checkpoints' / 'global_step_4'}" in log
+    assert "metrics.jsonl, line 6: not a complete metrics row" in log
+    assert metric_rows(out / "metrics.jsonl") == metric_rows(run_a / "metrics.jsonl")
+    assert checkpoint.problems(out / "checkpoints" / "global_step_5") is None      # saved again, intact
+
+
+def test_auto_resume_stops_when_no_checkpoint_is_intact(run_a, demo_dir, data_file, tmp_path):
+    out = damaged_copy_of(run_a, tmp_path)
+    flip_bytes(out / "checkpoints" / "global_step_5" / "actor" / "model_world_size_2_rank_1.pt")
+    (out / "checkpoints" / "global_step_4" / "trainer_state.json").write_text("{not json")
+    metrics_before = (out / "metrics.jsonl").read_text()
+    result = train(demo_dir, data_file, out, expect_rc=1)
+    assert result.stderr.count("checkpoint error: trainer.resume_mode=auto found checkpoints in") == 1
+    assert "none is intact (global_step_5, global_step_4;" in result.stderr
+    assert "trainer.resume_mode=disable" in result.stderr
+    assert (out / "metrics.jsonl").read_text() == metrics_before       # the old rows are kept
+    assert not (out / "checkpoints" / "global_step_1").exists()          # and nothing started over
 
 
 def test_rng_state_round_trips():

@@ -129,7 +129,7 @@ def test_batch_plan_is_data_parallel_over_sp_groups():
     cfg = load_config(None, BASE + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                                     "actor_rollout_ref.model.use_remove_padding=true"], world_size=4,
                       check_paths=False)
-    from config import batch_plan
+    from batch_plan import batch_plan
     plan = batch_plan(cfg, 4)
     assert (plan["dp"], plan["sp"], plan["responses_per_mini_batch_per_rank"]) == (2, 2, 4)
 

@@ -1,0 +1,186 @@
+"""The step's batch arithmetic (verl v0.5.0's normalisation in verl/workers/fsdp_workers.py,
+ActorRolloutRefWorker.__init__ and CriticWorker.__init__): check_batch raises a ConfigError naming the keys where
+the sizes do not divide for a world size, batch_plan computes responses per rank, mini- and micro-batches.
+"""
+import os
+
+from config_keys import ConfigError, get_dotted
+
+
+def _check_micro(per_gpu, global_size, dp, dotted):
+    if per_gpu is not None and global_size is not None:
+        raise ConfigError(f"set only one of '{dotted}_per_gpu' and the deprecated '{dotted}'")
+    if per_gpu is None and global_size is not None and global_size % dp:
+        raise ConfigError(f"'{dotted}'={global_size} must be divisible by the {dp} data-parallel ranks; "
+                          f"prefer '{dotted}_per_gpu'")
+
+
+def _micro_per_gpu(per_gpu, global_size, dp):
+    return global_size // dp if per_gpu is None and global_size is not None else per_gpu
+
+
+def _data_parallel(cfg, world_size, sp_key="actor_rollout_ref.actor.ulysses_sequence_parallel_size"):
+    """A worker's data-parallel size: world / its ulysses_sequence_parallel_size (verl's dp with sp); the actor's
+    by default."""
+    sp = get_dotted(cfg, sp_key)
+    if world_size % sp:
+        raise ConfigError(f"'{sp_key}'={sp} must divide the world size {world_size} (groups of sp consecutive "
+                          f"ranks share one data-parallel share of the batch)")
+    return world_size // sp
+
+
+REF_SP, CRITIC_SP = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"
+
+
+def check_batch(cfg, world_size):
+    """Raise ConfigError where the step's batch arithmetic for `world_size` ranks does not divide."""
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    n = rollout.n
+    dp, ref_dp = _data_parallel(cfg, world_size), _data_parallel(cfg, world_size, REF_SP)
+    if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
+        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
+                          f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
+    _check_nodes(cfg, world_size)
+    responses = data.train_batch_size * n
+    if responses % world_size:
+        raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "
+                          f"must be divisible by the world size {world_size}; change 'data.train_batch_size'")
+    if data.train_batch_size < actor.ppo_mini_batch_size:
+        raise ConfigError(f"'data.train_batch_size'={data.train_batch_size} must be >= "
+                          f"'actor_rollout_ref.actor.ppo_mini_batch_size'={actor.ppo_mini_batch_size}")
+    if data.train_batch_size % actor.ppo_mini_batch_size:
+        raise ConfigError(f"'data.train_batch_size'={data.train_batch_size} must be a multiple of "
+                          f"'actor_rollout_ref.actor.ppo_mini_batch_size'={actor.ppo_mini_batch_size}")
+    if (actor.ppo_mini_batch_size * n) % dp:
+        raise ConfigError(f"ppo_mini_batch_size * rollout.n = {actor.ppo_mini_batch_size * n} responses must be "
+                          f"divisible by the {dp} data-parallel ranks")
+    mini_per_rank = actor.ppo_mini_batch_size * n // dp
+    _check_micro(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp,
+                 "actor_rollout_ref.actor.ppo_micro_batch_size")
+    micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
+    if not actor.use_dynamic_bsz:
+        if micro is None:
+            raise ConfigError("set 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' "
+                              "(or use_dynamic_bsz=true with ppo_max_token_len_per_gpu)")
+        if micro <= 0 or mini_per_rank % micro:
+            raise ConfigError(f"the mini-batch per rank is ppo_mini_batch_size*n/dp = "
+                              f"{actor.ppo_mini_batch_size}*{n}/{dp} = {mini_per_rank} responses, which "
+                              f"'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'={micro} must divide")
+    max_len = data.max_prompt_length + data.max_response_length
+    sp = world_size // dp
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * sp < max_len:   # the budget covers sp devices
+        raise ConfigError(f"'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'={actor.ppo_max_token_len_per_gpu} "
+                          f"(x ulysses_sequence_parallel_size {sp}) must be at least "
+                          f"max_prompt_length + max_response_length = {max_len}")
+    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp),
+                                      (ref, "actor_rollout_ref.ref", ref_dp)):
+        _check_micro(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
+                     prefix + ".log_prob_micro_batch_size")
+        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp)
+        if size is None and not worker.log_prob_use_dynamic_bsz:
+            raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
+    if cfg.algorithm.adv_estimator == "gae":
+        _check_critic_batch(cfg, _data_parallel(cfg, world_size, CRITIC_SP))
+    if cfg.reward_model.enable:        # the reward model runs without sequence parallelism: dp = world size
+        rm = cfg.reward_model
+        _check_micro(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size, "reward_model.micro_batch_size")
+        if (_micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size) is None
+                and not rm.use_dynamic_bsz):
+            raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
+
+
+def _check_nodes(cfg, world_size):
+    """trainer.nnodes x trainer.n_gpus_per_node processes (torchrun's --nnodes x --nproc_per_node), and vLLM's
+    tensor-parallel groups (consecutive ranks) inside one node."""
+    nnodes, per_node, tp = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout
+    if per_node is not None and nnodes * per_node != world_size:
+        raise ConfigError(f"'trainer.nnodes' x 'trainer.n_gpus_per_node' = {nnodes} x {per_node} but {world_size} "
+                          f"processes were started; set them to torchrun's --nnodes and --nproc_per_node (or "
+                          f"n_gpus_per_node=null: torchrun decides)")
+    if world_size % nnodes:
+        raise ConfigError(f"{world_size} processes cannot be spread evenly over 'trainer.nnodes'={nnodes} nodes")
+    node_size = per_node or world_size // nnodes
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and int(local) != node_size:
+        raise ConfigError(f"torchrun started {local} processes on this node, but trainer.nnodes={nnodes} over "
+                          f"{world_size} processes means {node_size} per node; set 'trainer.nnodes' to torchrun's "
+                          f"--nnodes")
+    if tp.name == "vllm" and node_size % tp.tensor_model_parallel_size:
+        raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'={tp.tensor_model_parallel_size} "
+                          f"does not fit in one node of {node_size} processes; a vLLM tensor-parallel group must "
+                          f"stay inside a node")
+
+
+def _check_critic_batch(cfg, dp):
+    """The critic's own mini/micro batches: ppo_mini_batch_size prompts x critic.rollout_n responses."""
+    critic = cfg.critic
+    mini = critic.ppo_mini_batch_size * critic.rollout_n
+    if mini % dp:
+        raise ConfigError(f"critic.ppo_mini_batch_size * rollout.n = {mini} responses must be divisible by the "
+                          f"{dp} data-parallel ranks")
+    if cfg.data.train_batch_size % critic.ppo_mini_batch_size:
+        raise ConfigError(f"'data.train_batch_size'={cfg.data.train_batch_size} must be a multiple of "
+                          f"'critic.ppo_mini_batch_size'={critic.ppo_mini_batch_size}")
+    _check_micro(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp, "critic.ppo_micro_batch_size")
+    micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp)
+    if not critic.use_dynamic_bsz and (micro is None or micro <= 0 or (mini // dp) % micro):
+        raise ConfigError(f"the critic's mini-batch per rank is {mini // dp} responses; set "
+                          f"'critic.ppo_micro_batch_size_per_gpu' to a divisor of it (or critic.use_dynamic_bsz)")
+
+
+def batch_plan(cfg, world_size):
+    """The step's batch arithmetic for `world_size` ranks (after check_batch)."""
+    check_batch(cfg, world_size)
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    dp, ref_dp, n = _data_parallel(cfg, world_size), _data_parallel(cfg, world_size, REF_SP), rollout.n
+    responses = data.train_batch_size * n
+    mini_per_rank = actor.ppo_mini_batch_size * n // dp
+    micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
+    mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
+    plan = {
+        "world_size": world_size, "dp": dp, "sp": world_size // dp, "responses_per_step": responses,
+        "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
+        "responses_per_mini_batch_per_rank": mini_per_rank,
+        "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
+        "micro_batches_per_mini_batch": "dynamic" if actor.use_dynamic_bsz else mini_per_rank // micro,
+        "optimizer_steps_per_step": actor.ppo_epochs * mini_batches,
+        "old_log_prob_micro_batch": _micro_per_gpu(rollout.log_prob_micro_batch_size_per_gpu,
+                                                   rollout.log_prob_micro_batch_size, dp),
+        "ref_log_prob_micro_batch": _micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
+                                                   ref.log_prob_micro_batch_size, ref_dp),
+    }
+    if cfg.algorithm.adv_estimator == "gae":
+        critic, critic_dp = cfg.critic, _data_parallel(cfg, world_size, CRITIC_SP)
+        critic_micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, critic_dp)
+        plan.update(critic_dp=critic_dp,
+                    critic_responses_per_mini_batch_per_rank=critic.ppo_mini_batch_size * critic.rollout_n // critic_dp,
+                    critic_micro_batch=critic_micro,
+                    critic_forward_micro_batch=critic.forward_micro_batch_size_per_gpu or critic_micro)
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size)
+    return plan
+
+
+def total_training_steps(cfg, batches_per_epoch):
+    """verl: len(dataloader) * total_epochs, unless trainer.total_training_steps is set."""
+    if cfg.trainer.total_training_steps:
+        return cfg.trainer.total_training_steps
+    return batches_per_epoch * cfg.trainer.total_epochs
+
+
+def format_plan(plan, steps=None):
+    lines = ["batch plan:",
+             f"  world size {plan['world_size']} (data-parallel {plan['dp']} x sequence-parallel {plan['sp']})",
+             f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
+             f"per rank {plan['responses_per_rank']}",
+             f"  mini-batches per step {plan['mini_batches_per_step']}, "
+             f"{plan['responses_per_mini_batch_per_rank']} responses per rank each",
+             f"  micro-batches per mini-batch {plan['micro_batches_per_mini_batch']} "
+             f"(micro batch {plan['micro_batch_per_rank']} per rank)",
+             f"  optimizer steps per training step {plan['optimizer_steps_per_step']} (ppo_epochs x mini-batches)"]
+    if steps is not None:
+        lines.append(f"  training steps {steps}, optimizer steps in total {steps * plan['optimizer_steps_per_step']}")
+    return "\n".join(lines)

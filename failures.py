@@ -1,0 +1,115 @@
+"""How a run ends when something goes wrong: on any rank, loudly, once, and for every rank.
+
+minirl runs one process per device under torchrun. If one rank fails and waits for the others (a barrier, a
+clean shutdown), while they wait for it in a collective, the job hangs silently. So a failing rank never joins
+another collective: it prints the error (only the first rank to fail prints it in full; the store that torchrun
+already runs decides who was first), flushes, and leaves with os._exit. torchrun then stops the other ranks (and a
+rank blocked in a collective with the dead one gets an error from gloo/NCCL within the collective timeout).
+
+    failures.watch_parent()                                  # a rank whose torchrun is gone exits too
+    dist.init_process_group(backend, timeout=failures.COLLECTIVE_TIMEOUT)
+    ...
+    except BaseException as err:
+        code = failures.report(err, rank, expected)           # print once, return the exit code
+        failures.exit_now(code)                               # os._exit when other ranks exist
+
+Left out: restarting failed ranks (torchrun --max-restarts does that, and auto-resume picks up the checkpoint).
+"""
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# A collective that waits longer than this raises instead of hanging (gloo and NCCL honour it): verl's default
+# nccl_timeout, 600 s. Set MINIRL_COLLECTIVE_TIMEOUT_S for phases that may keep one rank busier for longer.
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("MINIRL_COLLECTIVE_TIMEOUT_S", "600")))
+FAILURE_KEY = "minirl/failures"
+EXIT_INTERRUPTED = 130
+# Errors a collective raises on the surviving ranks when a peer has died: not a new failure, a consequence.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+              "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroup abort")
+
+
+class ReportedError(RuntimeError):
+    """An error whose message already says everything; `shown_traceback` is the traceback worth printing (the
+    user's code that failed), or None for a one-line report."""
+
+    shown_traceback = None
+
+
+def watch_parent(poll_s=1.0):
+    """Under torchrun, exit this process when its parent (torchrun's agent) is gone, e.g. SIGKILLed: workers
+    must never outlive the job (orphans would hold devices and ports)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"rank {os.environ.get('RANK', '?')}: torchrun (pid {parent}) is gone; exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minirl-parent-watch", daemon=True).start()
+
+
+def _first_to_fail():
+    """True for the first rank to report a failure in this job (an atomic counter in torchrun's store, not a
+    collective: it works while the other ranks are busy or dead)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        return store.add(FAILURE_KEY, 1) == 1
+    except Exception:          # the store is gone with its host: say everything rather than nothing
+        return True
+
+
+def caused_by_a_dead_peer(err):
+    text = str(err)
+    return isinstance(err, (dist.DistBackendError, RuntimeError)) and any(s in text for s in _PEER_GONE)
+
+
+def report(err, rank, expected=()):
+    """Print `err` for the job and return the exit code. `expected`: ((exception class, prefix, exit code), ...)
+    for errors whose message is the whole story (bad config, data or checkpoint): one line, no traceback.
+    Anything else prints its traceback and a one-line summary. Only the first failing rank prints in full."""
+    if not _first_to_fail():
+        why = "the other ranks stopped" if caused_by_a_dead_peer(err) else f"{type(err).__name__}"
+        print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else 1
+    if isinstance(err, KeyboardInterrupt):
+        print(f"rank {rank}: interrupted; stopping every rank", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    for cls, prefix, code in expected:
+        if isinstance(err, cls):
+            print(f"{prefix}: {err}", file=sys.stderr, flush=True)
+            return code
+    if isinstance(err, ReportedError):
+        shown = err.shown_traceback
+        if shown is not None:
+            traceback.print_exception(type(shown), shown, shown.__traceback__, chain=False)
+        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        return 1
+    traceback.print_exception(type(err), err, err.__traceback__)
+    first_line = (str(err).splitlines() or [""])[0]
+    print(f"error: rank {rank} failed with {type(err).__name__}: {first_line[:300]} (traceback above)",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+def exit_now(code):
+    """End this process now when other ranks exist (no atexit handlers, no process-group teardown: both could
+    wait for ranks that will never answer); with one process, return the code to the caller."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,0 +1,119 @@
+"""One rank's failure ends the whole run, loudly and once (real torchrun, 2 CPU ranks, the demo model): a reward
+function that raises on rank 1 only, Ctrl-C (SIGINT) to one worker, and a SIGKILLed torchrun whose workers must
+not outlive it. Each run is bounded by a subprocess timeout: before failures.py the first two hung forever."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launch import ROOT, launch_env, torchrun_cmd
+
+BOUND_S = 120          # a run that has not ended by then is the hang these tests exist to catch
+
+
+def overrides(demo_dir, out, reward_file):
+    return ["--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+            f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+            "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", "trainer.logger=[console]", "data.train_batch_size=2",
+            "data.max_response_length=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            f"custom_reward_function.path={reward_file}"]
+
+
+def reward_file(tmp_path, body):
+    """A custom reward function; `body` runs first on every call, with `rank` and `marker` (a folder) defined."""
+    path = tmp_path / "reward.py"
+    path.write_text(f"""
+import os, time
+import torch.distributed as dist
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    rank, marker = dist.get_rank(), {str(tmp_path)!r}
+{body}
+    return 0.0
+""")
+    return path
+
+
+def start(demo_dir, tmp_path, body):
+    reward = reward_file(tmp_path, body)
+    return subprocess.Popen(torchrun_cmd(2, "minirl.py", *overrides(demo_dir, tmp_path / "out", reward)), cwd=ROOT,
+                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc):
+    try:
+        stdout, stderr = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the run still hung after {BOUND_S} s:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return proc.returncode, stdout + stderr
+
+
+def wait_for(paths, timeout=BOUND_S):
+    deadline = time.time() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.time() < deadline, f"never appeared: {paths}"
+        time.sleep(0.2)
+    time.sleep(0.5)                                     # the writer has finished writing the pid
+
+
+def test_a_reward_function_raising_on_one_rank_ends_every_rank_once(demo_dir, tmp_path):
+    """...with the user's traceback once and minirl's summary naming the dataset file and row: the row named is
+    the one the function was called on (the demo's extra_info.index is the row's position in its file)."""
+    body = ('    if rank == 1:\n'
+            '        raise ValueError("scorer broke on rank " + str(rank) + " at index " + str(extra_info["index"]))')
+    code, output = finish(start(demo_dir, tmp_path, body))
+    assert code != 0
+    assert output.count("ValueError: scorer broke on rank 1") == 1, output[-4000:]
+    assert output.count("reward.py\", line") == 1, output[-4000:]        # the user's traceback, once
+    summary = re.search(r"error: rank 1: reward function compute_score raised ValueError on (\S+), row (\d+) "
+                        r"\(data_source='minirl/add'.*at index (\d+)", output)
+    assert summary, output[-4000:]
+    assert summary.group(1) == f"{demo_dir}/data/train.parquet" and summary.group(2) == summary.group(3)
+
+
+def test_sigint_to_one_worker_ends_every_rank(demo_dir, tmp_path):
+    """Ctrl-C reaching one worker (rank 1, inside its reward function) while rank 0 waits for it."""
+    body = ('    if rank == 1:\n        open(os.path.join(marker, "pid1"), "w").write(str(os.getpid()))\n'
+            '        time.sleep(300)')
+    proc = start(demo_dir, tmp_path, body)
+    wait_for([tmp_path / "pid1"])
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGINT)
+    code, output = finish(proc)
+    assert code != 0
+    assert output.count("rank 1: interrupted") == 1, output[-4000:]
+    assert "minirl.py\", line" not in output, output[-4000:]        # one line, no traceback of ours
+
+
+def test_workers_never_outlive_a_killed_torchrun(demo_dir, tmp_path):
+    body = ('    open(os.path.join(marker, f"pid{rank}"), "w").write(str(os.getpid()))\n'
+            '    time.sleep(300)')
+    proc = start(demo_dir, tmp_path, body)
+    pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
+    wait_for(pid_files)
+    workers = [int(p.read_text()) for p in pid_files]
+    proc.send_signal(signal.SIGKILL)                    # torchrun itself (the workers are its children)
+    proc.communicate(timeout=30)
+    deadline = time.time() + 30
+    alive = workers
+    while alive and time.time() < deadline:
+        alive = [pid for pid in workers if _alive(pid)]
+        time.sleep(0.2)
+    for pid in alive:                                    # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived torchrun"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"      # a zombie has exited
+    except FileNotFoundError:
+        return False
