@@ -23,6 +23,7 @@ import torch.distributed as dist
 from config import ConfigError
 
 FULL_POSITIONS_KWARG = "ulysses_position_ids"   # the whole packed row's position ids, passed to every attention call
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")   # flash-attention's varlen keys
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process groups and rows
@@ -159,11 +160,11 @@ class _LocalHeads:
 
 
 def _packed_causal_mask(positions, inner):
-    """Block-diagonal causal mask over the whole packed row [1, 1, S, S] (a sequence starts where the position id
-    is 0): what transformers builds for packed rows, built here because the model only sees this rank's slice.
-    None where the row is one sequence (plain causal attention) and for flash attention (it reads the sequence
-    boundaries from the position ids)."""
-    if inner.startswith("flash") or int((positions == 0).sum()) <= 1:
+    """For sdpa: the block-diagonal causal mask over the whole packed row [1, 1, S, S] (a sequence starts where
+    the position id is 0), what transformers builds for packed rows, built here because the model only sees this
+    rank's slice; None where the row is one sequence (plain causal attention). The other attention functions
+    (flash attention, packed-row kernels) read the sequence boundaries from the position ids."""
+    if inner != "sdpa" or int((positions == 0).sum()) <= 1:
         return None
     sequence = (positions[0] == 0).cumsum(0)                                           # [S]
     index = torch.arange(sequence.shape[0], device=positions.device)
@@ -192,7 +193,9 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     value = AllToAll.apply(value, 1, 2, group)
     local = _LocalHeads(module, query.shape[1] // key.shape[1])
     mask = _cached_mask(positions, inner)
-    kwargs["position_ids"] = positions          # flash attention (and packed-aware kernels) find sequences here
+    kwargs["position_ids"] = positions          # flash attention (and packed-row kernels) find sequences here
+    for name in VARLEN_KWARGS:                  # boundaries of the caller's unpadded row: derived again from positions
+        kwargs.pop(name, None)
     attend = ALL_ATTENTION_FUNCTIONS[inner]
     out, weights = attend(local, query, key, value, mask, **kwargs)                      # [1, S, H/sp, D]
     return AllToAll.apply(out, 1, 2, group), weights                                      # [1, S/sp, H, D]
