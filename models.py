@@ -334,7 +334,7 @@ class Worker:
         averaged. A non-finite loss or gradient norm skips the optimizer step (clip_and_step). The LR scheduler
         steps once per call. Returns `prefix`-named metrics averaged over the optimizer steps, with grad_norm, lr.
         With sp > 1 the rows are the sp group's, dp is world/sp, sums run over the dp group (each row once), and
-        ulysses.GatherSequence scales the gradient by sp (FSDP averages over all dp x sp ranks)."""
+        ulysses.GatherRows scales the gradient by sp (FSDP averages over all dp x sp ranks)."""
         batch = self.group_rows(batch)
         size = batch_size_of(batch)
         metrics = {}

@@ -85,22 +85,26 @@ class AllToAll(torch.autograd.Function):
         return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
-class GatherSequence(torch.autograd.Function):
-    """All-gather along dim 0. Backward keeps this rank's slice of the gradient, times sp: every rank of the
-    group computes the same loss from the gathered outputs, and FSDP averages gradients over all world ranks
-    (dp x sp), so each slice must count sp times for the average to be the dp groups' sum (verl's grad_scaler)."""
+class GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 of counts[i] rows from rank i, concatenated in rank order. Backward keeps this
+    rank's rows of the gradient, times sp: every rank of the group computes the same loss from the gathered
+    outputs, and FSDP averages gradients over all world ranks (dp x sp), so each rank's part must count sp times
+    for the average to be the sum over dp groups (verl's grad_scaler)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        padded = x.new_zeros((max(counts), *x.shape[1:]))             # all_gather needs equal shapes
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
     @staticmethod
     def backward(ctx, grad):
-        sp = dist.get_world_size(ctx.group)
-        return grad.chunk(sp)[dist.get_rank(ctx.group)] * sp, None
+        rank = dist.get_rank(ctx.group)
+        start = sum(ctx.counts[:rank])
+        return grad[start:start + ctx.counts[rank]] * len(ctx.counts), None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,7 +130,7 @@ def slice_packed(ids, positions, labels, group):
 
 def gather_packed(values, nnz, group):
     """This rank's per-token outputs [S/sp, ...] -> the whole packed row's [nnz, ...] (gathered, pad dropped)."""
-    return GatherSequence.apply(values, group)[:nnz]
+    return GatherRows.apply(values, [values.shape[0]] * dist.get_world_size(group), group)[:nnz]
 
 
 # ----------------------------------------------------------------------------------------------------------------
