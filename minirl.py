@@ -19,7 +19,7 @@ One training step, in verl's order (see `train_step`):
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
 Models and their updates live in models.py (the loss itself in losses.py), generation in rollout.py, rows and
-who holds them in batch.py, checkpoints in checkpoint.py.
+who holds them in batch.py, logging and metrics in tracking.py, checkpoints in checkpoint.py.
 
 Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
 (all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
@@ -60,6 +60,7 @@ from data import PromptLoader, RLHFDataset, collate
 from models import Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
+from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -170,7 +171,7 @@ def resolve_paths(cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Logging: console, TensorBoard, wandb, and always <af_output_dir>/metrics.jsonl (rank 0 only)
+# Small pieces of the step
 
 
 def kl_controller(kl_ctrl):
@@ -178,107 +179,6 @@ def kl_controller(kl_ctrl):
     if kl_ctrl.type == "fixed":
         return losses.FixedKLController(kl_ctrl.kl_coef)
     return losses.AdaptiveKLController(kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
-
-
-class Tracker:
-    CONSOLE_KEYS = ("critic/score/mean", "val-core", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
-                    "critic/vf_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
-
-    def __init__(self, cfg, enabled, start_step=0):
-        """start_step: the step a resumed run continues after; rows a killed run logged past it are dropped, so
-        metrics.jsonl holds each step once."""
-        self.enabled = enabled
-        self.loggers = cfg.trainer.logger
-        if not enabled:
-            return
-        out = Path(cfg.af_output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        drop_rows_after(out / "metrics.jsonl", start_step)
-        self.jsonl = open(out / "metrics.jsonl", "a")
-        self.tb = self.wandb = None
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
-        if "wandb" in self.loggers:
-            import wandb
-            os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
-                                    dir=str(out), config=cfg.to_dict())
-
-    def log(self, metrics, step):
-        if not self.enabled:
-            return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in metrics.items():
-                self.tb.add_scalar(key, value, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        if "console" in self.loggers:
-            shown = {k: v for k, v in metrics.items() if k.startswith(self.CONSOLE_KEYS)}
-            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
-
-    def close(self):
-        if self.enabled:
-            self.jsonl.close()
-            if self.tb is not None:
-                self.tb.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
-    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
-    if not path.is_file():
-        return
-    text = path.read_text(errors="replace")
-    lines = [line for line in text.splitlines() if line.strip()]
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            keep = json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
-                  file=sys.stderr, flush=True)
-            continue
-        if keep:
-            kept.append(line)
-    if len(kept) < len(lines) or not text.endswith("\n"):
-        staging = path.with_name(path.name + ".tmp")
-        staging.write_text("".join(line + "\n" for line in kept))
-        os.replace(staging, path)
-
-
-def stats(prefix, values):
-    values = np.asarray(values, dtype=np.float64)
-    if values.size == 0:
-        return {}
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
-
-
-def data_metrics(batch, response_length):
-    """verl's compute_data_metrics over the whole batch (critic/score, critic/advantages, response_length, ...)."""
-    mask = batch["response_mask"].bool()
-    resp_len = batch["response_mask"].sum(-1).float()
-    prompt_len = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).float()
-    m = {}
-    m.update(stats("critic/score", batch["token_level_scores"].sum(-1).tolist()))
-    m.update(stats("critic/rewards", batch["token_level_rewards"].sum(-1).tolist()))
-    m.update(stats("critic/advantages", batch["advantages"][mask].tolist()))
-    m.update(stats("critic/returns", batch["returns"][mask].tolist()))
-    if "values" in batch:
-        values, returns = batch["values"][mask], batch["returns"][mask]
-        m.update(stats("critic/values", values.tolist()))
-        m["critic/vf_explained_var"] = float(1 - torch.var(returns - values) / (torch.var(returns) + 1e-5))
-    m.update(stats("response_length", resp_len.tolist()))
-    m["response_length/clip_ratio"] = float((resp_len == response_length).float().mean())
-    m.update(stats("prompt_length", prompt_len.tolist()))
-    m["prompt_length/clip_ratio"] = float((prompt_len == batch["prompts"].shape[1]).float().mean())
-    return m
 
 
 @contextmanager
@@ -587,71 +487,6 @@ class Trainer:
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def validation_metrics(scores, sources, n):
-    """Per data_source: val-core/<source>/reward/mean@n; with n > 1 also best@n/mean (the mean over prompts of the
-    best of its n scores), worst@n/mean and std@n (the mean over prompts of the spread of its n scores).
-    `scores`/`sources` hold n consecutive entries per prompt. verl estimates best/worst@n by bootstrap; these are
-    the exact values for the n samples drawn."""
-    per_prompt = np.asarray(scores, dtype=np.float64).reshape(-1, n)                 # [prompts, n]
-    prompt_sources = np.asarray(sources[::n])
-    metrics = {}
-    for source in sorted(set(prompt_sources)):
-        group = per_prompt[prompt_sources == source]
-        metrics[f"val-core/{source}/reward/mean@{n}"] = float(group.mean())
-        if n > 1:
-            metrics[f"val-core/{source}/reward/best@{n}/mean"] = float(group.max(axis=1).mean())
-            metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(group.min(axis=1).mean())
-            metrics[f"val-aux/{source}/reward/std@{n}"] = float(group.std(axis=1).mean())
-    return metrics
-
-
-def timing_metrics(timings, batch, world_size):
-    total_tokens = int(batch["attention_mask"].sum())
-    response_tokens = int(batch["response_mask"].sum())
-    m = {f"timing_s/{k}": v for k, v in timings.items()}
-    for name, seconds in timings.items():
-        if name in ("gen",):
-            m[f"timing_per_token_ms/{name}"] = 1000 * seconds / max(response_tokens, 1)
-        elif name != "step":
-            m[f"timing_per_token_ms/{name}"] = 1000 * seconds / max(total_tokens, 1)
-    m["perf/total_num_tokens"] = total_tokens
-    m["perf/time_per_step"] = timings["step"]
-    m["perf/throughput"] = total_tokens / (timings["step"] * world_size)
-    return m
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Plotting: the reward curve of a run
-
-
-def plot(run_dir, out=None):
-    """PNG of training score and validation reward against the step, from <run_dir>/metrics.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"--plot: no metrics.jsonl in '{run_dir}' (pass the run's af_output_dir)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
-    if train:
-        ax.plot(*zip(*train), label="train score (mean)", alpha=0.6)
-    val_keys = sorted({k for r in rows for k in r if k.startswith("val-core/")})
-    for key in val_keys:
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot(*zip(*points), marker="o", label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    out = out or str(Path(run_dir) / "reward_curve.png")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 from config import load_config
-from minirl import Tracker, validation_metrics
+from tracking import Tracker, validation_metrics
 
 ROOT_CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
