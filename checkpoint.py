@@ -9,6 +9,7 @@ The trainer calls two functions (a "role" is a trained model: the actor and, for
 and the command line exports a checkpoint without torchrun:
 
     python minirl.py --export outputs/demo/checkpoints/global_step_100 exported/      # or .../global_step_100/actor
+    python minirl.py --export CKPT OUT [--merge-adapter]     # LoRA: the adapter, or the base with it merged in
 
 Layout (verl v0.5.0's: verl/utils/checkpoint/fsdp_checkpoint_manager.py FSDPCheckpointManager, written by
 verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, R = rank):
@@ -21,7 +22,9 @@ verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, 
               extra_state_world_size_W_rank_R.pt   LR scheduler, this rank's RNG states, skipped-step counters
               fsdp_config.json               {"FSDP_version": 2, "world_size": W}
               huggingface/                   config, generation config, tokenizer; safetensors weights too when
-                                             actor.checkpoint.save_contents has "hf_model"
+                                             actor.checkpoint.save_contents has "hf_model" (LoRA: merged)
+              lora_adapter/                  LoRA only: adapter_model.safetensors + adapter_config.json, peft's
+                                             format (PeftModel.from_pretrained(base, this folder))
         data.pt                              the prompt loader's position (epoch, batches done)
         trainer_state.json                   global step (+ state of any extra stateful object, e.g. a KL controller)
         manifest.json                        every file above with its size and blake2b checksum: the "complete"
@@ -58,6 +61,7 @@ MANIFEST = "manifest.json"
 FORMAT = "minirl-checkpoint-2"          # 2: files map to {"bytes", "blake2b"}; 1 held sizes only
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 # role -> (its save_contents in the config, its trainer.max_*_ckpt_to_keep key)
+LORA_DIR = "lora_adapter"
 ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint.save_contents", "max_actor_ckpt_to_keep"),
              "critic": ("critic.checkpoint.save_contents", "max_critic_ckpt_to_keep")}
 
@@ -230,6 +234,7 @@ def _save_role(folder, role, contents, tokenizer, rank, world_size):
     if "hf_model" in contents:
         from models import full_state_dict_items           # a collective: every rank gathers every tensor
         weights = {name: tensor.cpu() for name, tensor in full_state_dict_items(role.model)}
+    adapter = role.adapter() if getattr(role, "lora", False) else None       # a collective too
     if rank == 0:
         (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}))
         hf_dir = folder / "huggingface"
@@ -237,8 +242,10 @@ def _save_role(folder, role, contents, tokenizer, rank, world_size):
         if getattr(role.model, "generation_config", None) is not None:
             role.model.generation_config.save_pretrained(hf_dir)
         tokenizer.save_pretrained(hf_dir)
+        if adapter is not None:
+            adapter.save(folder / LORA_DIR)
         if weights is not None:
-            write_hf_weights(weights, hf_dir)
+            write_hf_weights(weights, hf_dir, adapter_folder=folder / LORA_DIR if adapter is not None else None)
 
 
 def file_digest(path):
@@ -528,10 +535,16 @@ def _load_role(folder, role, contents, rank, world_size):
 # Hugging Face format
 
 
-def write_hf_weights(state, folder):
+def write_hf_weights(state, folder, adapter_folder=None):
     """Save full weights {name: tensor} as a Hugging Face model in `folder` (which already has config.json):
-    safetensors, tied weights handled by transformers, loadable by from_pretrained and vLLM as is."""
+    safetensors, tied weights handled by transformers, loadable by from_pretrained and vLLM as is.
+    With `adapter_folder` (a LoRA actor) `state` has peft's names: the base weights are taken from it and the
+    adapter is merged into them (peft's merge_and_unload)."""
     import transformers
+
+    import lora
+    if adapter_folder is not None:
+        state = {lora.base_weight_name(k): v for k, v in state.items() if not lora.is_adapter_name(k)}
     config = transformers.AutoConfig.from_pretrained(folder)
     architecture = getattr(transformers, (config.architectures or ["?"])[0], None)   # e.g. Qwen2ForCausalLM
     with torch.device("meta"):                          # no memory, no random init: the weights are assigned
@@ -539,6 +552,8 @@ def write_hf_weights(state, folder):
                  else transformers.AutoModelForCausalLM.from_config(config))
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
+    if adapter_folder is not None:
+        model = lora.merge(model, adapter_folder)
     model.save_pretrained(folder)
 
 
@@ -559,22 +574,34 @@ def consolidate(step_dir, role="actor"):
     return full
 
 
-def export_hf(ckpt, out):
+def export_hf(ckpt, out, merge_adapter=False):
     """`python minirl.py --export CKPT OUT`: CKPT is a global_step_N folder or its actor/ folder; OUT gets
-    config, tokenizer and safetensors weights."""
+    config, tokenizer and safetensors weights. A LoRA checkpoint exports its adapter (peft's folder, whose
+    adapter_config.json names the base model.path), or with merge_adapter the base model with the adapter merged
+    in."""
     ckpt = Path(ckpt)
     role = "actor"
     if not STEP_DIR.match(ckpt.name) and STEP_DIR.match(ckpt.parent.name):
         ckpt, role = ckpt.parent, ckpt.name
     if not STEP_DIR.match(ckpt.name):
         raise CheckpointError(f"'{ckpt}' is not a checkpoint: pass a .../global_step_N folder or its actor/ folder")
-    weights = consolidate(ckpt, role)
+    adapter_dir = ckpt / role / LORA_DIR
+    if merge_adapter and not adapter_dir.is_dir():
+        raise CheckpointError(f"'{ckpt / role}' has no {LORA_DIR}/ (it was not trained with LoRA): export it "
+                              f"without --merge-adapter")
+    read_manifest(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = ckpt / role / "huggingface"
+    if adapter_dir.is_dir() and not merge_adapter:
+        import lora
+        lora.export_adapter(adapter_dir, hf_dir, out)
+        print(f"exported the LoRA adapter of {ckpt / role} to {out}")
+        return out
+    weights = consolidate(ckpt, role)
     for item in hf_dir.iterdir():            # config, generation config, tokenizer (weights are rewritten below)
         if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
             shutil.copy2(item, out / item.name)
-    write_hf_weights(weights, out)
+    write_hf_weights(weights, out, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
     print(f"exported {ckpt / role} to {out}")
     return out

@@ -446,6 +446,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_not_yet(cfg)
     _check_algorithm(cfg)
     _check_sequence_parallel(cfg)
+    _check_lora(cfg)
     if world_size:
         check_batch(cfg, world_size)
     if check_paths:
@@ -507,6 +508,17 @@ def _check_sequence_parallel(cfg):
         if sp > 1 and not get_dotted(cfg, packed):
             raise ConfigError(f"'{dotted}'={sp} (Ulysses sequence parallel) splits the packed row of a micro-batch; "
                               f"set '{packed}=true'")
+
+
+def _check_lora(cfg):
+    """LoRA under vLLM needs a load_format the adapter sync handles (lora_rank and lora_alpha have their ranges in
+    config_keys; target modules are checked against the model by lora.check_target_modules before it loads)."""
+    model, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+    if model.lora_rank > 0 and rollout.name == "vllm" and not (rollout.load_format == "safetensors"
+                                                               or rollout.load_format.startswith("dummy")):
+        raise ConfigError(f"config key 'actor_rollout_ref.rollout.load_format'={rollout.load_format!r} with LoRA: "
+                          f"use 'safetensors' (vLLM loads the base model from model.path) or a 'dummy*' format "
+                          f"(the first weight sync sends the base weights); later syncs send the adapter only")
 
 
 def _check_paths(cfg):

@@ -181,7 +181,7 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # The refusals, in one place: keys that load (so verl configs work) but whose other values ask for something
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
-    "actor_rollout_ref.model.lora_rank": (0, "LoRA"),
+    "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
     "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
     "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
     "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),

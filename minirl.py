@@ -7,7 +7,7 @@ One process per device, torch.distributed between them, FSDP2 for the trainable 
     python minirl.py --config config.yaml --print-config       # resolved config + batch plan, no training
     python minirl.py --config config.yaml --to-verl            # the same run as a verl command line
     python minirl.py --plot outputs/demo                        # reward curve PNG from metrics.jsonl
-    python minirl.py --export CKPT OUT                          # checkpoint -> Hugging Face folder (checkpoint.py)
+    python minirl.py --export CKPT OUT [--merge-adapter]        # checkpoint -> Hugging Face folder (checkpoint.py)
 
 One training step, in verl's order (see `train_step`):
     1. prompts -> repeat each n times (interleaved), one uid per prompt
@@ -57,7 +57,7 @@ from batch_plan import batch_plan, format_plan, total_training_steps
 from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
                     to_verl)
 from data import PromptLoader, RLHFDataset, collate
-from models import Critic, Policy, RewardModel, full_state_dict_items
+from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
@@ -237,7 +237,10 @@ class Trainer:
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = Policy(cfg, self.device, trainable=False) if needs_ref else None
+        # with LoRA the reference is the actor's own base model (adapter disabled): no second copy of the weights
+        self.ref = None
+        if needs_ref:
+            self.ref = AdapterDisabled(self.actor) if self.actor.lora else Policy(cfg, self.device, trainable=False)
         use_critic = cfg.algorithm.adv_estimator == "gae"
         self.critic = Critic(cfg, self.device, self.total_steps, len(self.tokenizer)) if use_critic else None
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
@@ -258,7 +261,7 @@ class Trainer:
         tp = self.rollout.tp_size
         dp_rank, dp_size = self.rank // tp, self.world_size // tp
         mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
-        self.rollout.sync_weights(full_state_dict_items(self.actor.model))     # the weights move here, every call
+        sync_rollout(self.actor, self.rollout)                                 # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
         tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
         self.rollout.sleep()                                                   # and the memory goes back here
@@ -489,6 +492,16 @@ class Trainer:
             dist.destroy_process_group()
 
 
+def sync_rollout(actor, engine):
+    """Give the engine the actor's current weights: all of them, or with LoRA the adapter only (plus the base
+    weights once, when the engine started without them: load_format=dummy*). A collective."""
+    if not actor.lora:
+        engine.sync_weights(full_state_dict_items(actor.model))
+        return
+    base = () if engine.base_loaded else actor.base_weights()
+    engine.sync_weights(base, adapter=actor.adapter())
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Entry point
 
@@ -507,7 +520,10 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="RUN_DIR", help="write RUN_DIR/reward_curve.png from metrics.jsonl")
     parser.add_argument("--export", nargs=2, metavar=("CKPT", "OUT"),
                         help="write a checkpoint's actor (CKPT: .../global_step_N or its actor/ folder) to OUT in "
-                             "Hugging Face format (config, tokenizer, safetensors); no torchrun needed")
+                             "Hugging Face format (config, tokenizer, safetensors); no torchrun needed. A LoRA "
+                             "checkpoint exports its adapter (peft format)")
+    parser.add_argument("--merge-adapter", action="store_true",
+                        help="with --export of a LoRA checkpoint: write the base model with the adapter merged in")
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args(argv)
 
@@ -533,7 +549,7 @@ def main(argv=None):
         return 0
     if args.export:
         try:
-            checkpoint.export_hf(*args.export)
+            checkpoint.export_hf(*args.export, merge_adapter=args.merge_adapter)
         except checkpoint.CheckpointError as err:
             print(f"checkpoint error: {err}", file=sys.stderr)
             return 2

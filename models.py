@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import lora
 import losses
 import ulysses
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
@@ -70,7 +71,10 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
 
 
 def decoder_layers(model):
-    """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one)."""
+    """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one), under peft's LoRA
+    wrapper too."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, model.base_model_prefix, model)
     layers = getattr(base, "layers", None)
     if layers is None:
@@ -91,11 +95,13 @@ def shard_fsdp2(model, mixed_precision=False):
     return model
 
 
-def full_state_dict_items(model):
-    """Yield (name, full tensor) for every entry of the model's state dict, one tensor at a time. A collective:
-    every rank must iterate all of it. Tied weights (lm_head = embed_tokens) appear under both names, so an
-    inference engine that keeps its own copy of the head gets it too."""
+def full_state_dict_items(model, keep=None):
+    """Yield (name, full tensor) for every entry of the model's state dict (or those whose name `keep` accepts),
+    one tensor at a time. A collective: every rank must iterate all of it. Tied weights (lm_head = embed_tokens)
+    appear under both names, so an inference engine that keeps its own copy of the head gets it too."""
     for name, tensor in model.state_dict().items():
+        if keep is not None and not keep(name):
+            continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
@@ -294,7 +300,8 @@ class Worker:
             for p in self.model.parameters():
                 p.requires_grad_(False)
             return
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+        trainable = [p for p in self.model.parameters() if p.requires_grad]     # with LoRA: the adapter only
+        self.optimizer = torch.optim.AdamW(trainable, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
                                            weight_decay=optim_cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg, total_steps))
 
@@ -385,14 +392,21 @@ class Worker:
 
 
 class Policy(Worker):
-    """A causal LM: the actor (trainable, with optimizer) or the reference (frozen)."""
+    """A causal LM: the actor (trainable, with optimizer) or the reference (frozen). With model.lora_rank > 0 the
+    actor is the base model wrapped with peft LoRA adapters (lora.py): only the adapters train."""
 
     def __init__(self, cfg, device, trainable, total_steps=1):
         arr = cfg.actor_rollout_ref
+        self.lora = trainable and lora.enabled(arr.model)
+        if self.lora:
+            lora.check_target_modules(arr.model)             # before loading any weights
         model = load_model(arr.model.path, override_config=arr.model.override_config,
                            trust_remote_code=arr.model.trust_remote_code,
                            gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, arr.model.use_remove_padding))
+        if self.lora:
+            model = lora.wrap(model, arr.model)
+            lora.log_parameter_counts(model, arr.model)
         role = "actor" if trainable else "ref"
         super().__init__(model, device, arr.model.use_remove_padding, arr.actor.optim if trainable else None,
                          total_steps, sp=arr[role].ulysses_sequence_parallel_size,
@@ -408,6 +422,16 @@ class Policy(Worker):
     def forward(self, micro, temperature, calc_entropy=False):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
                               calc_entropy=calc_entropy, kernels=self.kernels, sp_group=self.sp_group)
+
+    def adapter(self):
+        """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
+        return lora.adapter_from_full_state(self.model, dict(full_state_dict_items(self.model, lora.is_adapter_name)))
+
+    def base_weights(self):
+        """(Hugging Face name, full tensor) of the frozen base model under the LoRA wrapper: adapter tensors
+        dropped, names as in model.path. A collective."""
+        for name, tensor in full_state_dict_items(self.model, keep=lambda n: not lora.is_adapter_name(n)):
+            yield lora.base_weight_name(name), tensor
 
     def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
         """No-grad log-probs [b, R] (and entropy [b, R]) of this rank's rows in micro-batches; rows keep their
@@ -442,6 +466,18 @@ class Policy(Worker):
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
         return metrics
+
+
+class AdapterDisabled:
+    """The reference policy of a LoRA actor: the actor's own module with its adapter switched off, i.e. the base
+    model, without a second copy of its weights (verl's ref under LoRA)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_log_prob(self, *args, **kwargs):
+        with self.actor.model.disable_adapter():
+            return self.actor.compute_log_prob(*args, **kwargs)
 
 
 class Critic(Worker):

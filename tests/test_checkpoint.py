@@ -118,25 +118,29 @@ def worker_pids(agent_pid):
     return [int(pid) for pid in children]
 
 
-def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir, data_file, tmp_path):
-    """Kill the whole job (the torchrun agent and both workers, each in its own process group) with SIGKILL as
-    soon as the step-2 checkpoint is complete, i.e. while step 3 runs; rerun the same command."""
+def kill_after_step_2_checkpoint(demo_dir, data_file, out, *extra):
+    """Start a run and kill the whole job (the torchrun agent and both workers, each in its own process group)
+    with SIGKILL as soon as the step-2 checkpoint is complete, i.e. while step 3 runs."""
     cmd = torchrun_cmd(2, "minirl.py", "--config", ROOT / "config.yaml",
-                       *run_overrides(demo_dir, data_file, tmp_path))
-    tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
-    with open(tmp_path / "killed.log", "w") as log:
+                       *run_overrides(demo_dir, data_file, out, *extra))
+    tracker = out / "checkpoints" / "latest_checkpointed_iteration.txt"
+    with open(out / "killed.log", "w") as log:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 180
-        metrics = tmp_path / "metrics.jsonl"
+        metrics = out / "metrics.jsonl"
         while not (tracker.is_file() and tracker.read_text() == "2" and metrics.is_file()
                    and '"step": 2,' in metrics.read_text()):
-            assert agent.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            assert agent.poll() is None and time.time() < deadline, (out / "killed.log").read_text()[-3000:]
             time.sleep(0.005)
         for pid in worker_pids(agent.pid) + [agent.pid]:
             os.killpg(pid, signal.SIGKILL)
         agent.wait()
-    assert not (tmp_path / "checkpoints" / "global_step_4").exists(), "the kill came too late to test anything"
+    assert not (out / "checkpoints" / "global_step_4").exists(), "the kill came too late to test anything"
 
+
+def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir, data_file, tmp_path):
+    """Kill the job while step 3 runs (the step-2 checkpoint complete), then rerun the same command."""
+    kill_after_step_2_checkpoint(demo_dir, data_file, tmp_path)
     train(demo_dir, data_file, tmp_path)                             # trainer.resume_mode=auto (the default)
     rows = metric_rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], "each step once: rows logged after the checkpoint dropped"

@@ -207,8 +207,9 @@ def test_gae_needs_a_critic(paths):
 
 
 def test_features_not_built_yet_are_refused_clearly(paths):
-    with pytest.raises(ConfigError, match="lora_rank' enables LoRA, which minirl does not implement yet"):
-        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.model.lora_rank=8"], world_size=2)
+    with pytest.raises(ConfigError, match="rollout.nnodes' enables multi-node rollout .*, which minirl does not "
+                                          "implement yet"):
+        load_config(write(paths, minimal(paths)), ["rollout.nnodes=2"], world_size=2)
 
 
 def test_batch_plan_arithmetic(paths):

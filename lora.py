@@ -1,0 +1,144 @@
+"""LoRA: train peft adapters on a frozen base model (actor_rollout_ref.model.lora_rank > 0), as verl does.
+
+    wrap(model, model_cfg)          peft's get_peft_model with LoraConfig(r, lora_alpha, target_modules,
+                                    exclude_modules), before FSDP2: only the lora_A/lora_B matrices train
+    check_target_modules(model_cfg) before any weights load: the targets match modules of the model
+    Adapter                         the adapter tensors in peft's saved format + its LoraConfig: what moves to the
+                                    rollout engine at each sync and what a checkpoint keeps (peft's folder layout)
+    adapter_from_full_state(...)    an Adapter from the wrapped model's gathered adapter tensors
+    base_weight_name(name)          the base model's Hugging Face name of a wrapped parameter
+    export_adapter(...)             --export of a LoRA checkpoint: its adapter folder and tokenizer
+    merge(base_model, folder)       the base with a saved adapter folded in (export, hf_model checkpoints)
+
+The reference policy is the same module with the adapter disabled (models.AdapterDisabled), so LoRA keeps one copy
+of the base weights. Left out: DoRA, rsLoRA, modules_to_save, LoRA on the critic, verl's layered_summon (the
+adapter is gathered one tensor at a time anyway).
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import ConfigError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"      # peft's names (its config: adapter_config.json)
+PEFT_PREFIX = "base_model.model."        # what PeftModel puts before the wrapped model's parameter names
+
+
+def enabled(model_cfg):
+    return model_cfg.lora_rank > 0
+
+
+def lora_config(model_cfg):
+    """peft's LoraConfig from actor_rollout_ref.model (verl's fsdp_workers: CAUSAL_LM, bias none)."""
+    from peft import LoraConfig, TaskType
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
+                      target_modules=_plain(model_cfg.target_modules),
+                      exclude_modules=_plain(model_cfg.exclude_modules), bias="none")
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def check_target_modules(model_cfg):
+    """ConfigError when target_modules (minus exclude_modules) match no linear layer of the model: checked on an
+    empty (meta-device) copy built from config.json, so nothing is loaded. The message lists the layer names
+    that exist."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    output_layer = model.get_output_embeddings()
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and module is not output_layer]
+    peft_cfg = lora_config(model_cfg)
+    if peft_cfg.target_modules == "all-linear":          # peft's shorthand: every linear layer but the output one
+        peft_cfg.target_modules = linear
+    matched = [name for name, _ in model.named_modules() if check_target_module_exists(peft_cfg, name)]
+    if not matched:
+        names = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ConfigError(f"'actor_rollout_ref.model.target_modules'={model_cfg.target_modules!r} (exclude_modules="
+                          f"{model_cfg.exclude_modules!r}) matches no layer of {model_cfg.path}; its linear layers "
+                          f"are named {', '.join(names)} (or use all-linear)")
+
+
+def wrap(model, model_cfg):
+    """The model with LoRA adapters on the target modules; base parameters frozen (requires_grad False)."""
+    from peft import get_peft_model
+    model.enable_input_require_grads()      # verl does: with a frozen embedding, checkpointed blocks still get grads
+    return get_peft_model(model, lora_config(model_cfg))
+
+
+def log_parameter_counts(model, model_cfg):
+    """One line on rank 0: LoRA's trainable parameters against the whole model's."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"LoRA rank {model_cfg.lora_rank}, alpha {model_cfg.lora_alpha}, target_modules "
+          f"{model_cfg.target_modules}: {trainable:,} trainable of {total:,} parameters "
+          f"({100 * trainable / total:.2f}%)", flush=True)
+
+
+def is_adapter_name(name):
+    """A LoRA parameter of a wrapped model (peft names them ...lora_A.<adapter>.weight / lora_B)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_weight_name(name):
+    """'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight' -> 'model.layers.0.self_attn.q_proj.weight':
+    the plain model's name of a wrapped base parameter."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter as peft saves it: `state` {peft key: full tensor} (keys without the adapter name, e.g.
+    'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'), and its LoraConfig."""
+    state: dict
+    config: object
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+    def save(self, folder):
+        """adapter_model.safetensors + adapter_config.json in `folder`: loadable with PeftModel.from_pretrained
+        and by vLLM's LoRARequest."""
+        from safetensors.torch import save_file
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state.items()}, folder / ADAPTER_WEIGHTS,
+                  metadata={"format": "pt"})
+        self.config.save_pretrained(folder)
+        return folder
+
+
+def adapter_from_full_state(model, full_state):
+    """An Adapter from a wrapped model and its adapter tensors {state_dict name: full tensor}; peft's own
+    get_peft_model_state_dict picks and renames them."""
+    from peft import get_peft_model_state_dict
+    return Adapter(get_peft_model_state_dict(model, state_dict=full_state), model.peft_config["default"])
+
+
+def export_adapter(adapter_folder, hf_folder, out):
+    """A saved adapter plus the tokenizer files of `hf_folder` (a checkpoint's huggingface/), copied to `out`.
+    No config.json: transformers would read `out` as a full model; adapter_config.json names the base model."""
+    model_files = ("config.json", "generation_config.json", "model.safetensors.index.json")
+    tokenizer_files = [item for item in Path(hf_folder).iterdir()
+                       if item.is_file() and item.suffix != ".safetensors" and item.name not in model_files]
+    for item in [*Path(adapter_folder).iterdir(), *tokenizer_files]:
+        shutil.copy2(item, Path(out) / item.name)
+
+
+def merge(base_model, adapter_folder):
+    """A plain Hugging Face model with the adapter folded into its weights (peft's merge_and_unload)."""
+    from peft import PeftModel
+    return PeftModel.from_pretrained(base_model, str(adapter_folder)).merge_and_unload()
