@@ -9,6 +9,8 @@ Library use (the trainer in minirl.py does this):
 Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --input path/to/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
+    python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
+    python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
 
 Semantics follow verl v0.5.0: verl/utils/dataset/rl_dataset.py `RLHFDataset`, verl/utils/model.py
 `compute_position_id_with_mask`, verl/utils/torch_functional.py `postprocess_data`, and
@@ -78,24 +80,23 @@ class RLHFDataset:
     Rows are read eagerly (prompt datasets are small) and checked once at load, so a bad file fails at start-up
     with the file, row and column named. `truncation="error"` raises lazily in `__getitem__`, as verl does.
     `index` is extra_info["index"] when present, else the row's position in the concatenated files.
-    Images (image_key) are passed through untouched as multi_modal_data; processing them comes with VLM support.
+    With a vision-language `processor` (vision.py), rows may carry images under image_key: they are checked and
+    decoded at load, prompt lengths count the expanded image tokens, and items gain multi_modal_data (PIL images,
+    for vLLM) and multi_modal_inputs (pixel_values, image_grid_thw). A text model refuses rows with images.
     """
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
-                 prompt_key="prompt", image_key="images", return_raw_chat=False, chat_template=None,
-                 processor=None, reward_fn_key="data_source"):
+                 prompt_key="prompt", image_key="images", video_key="videos", return_raw_chat=False,
+                 chat_template=None, processor=None, reward_fn_key="data_source"):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
-        if processor is not None:
-            raise NotImplementedError("multimodal processors are not supported yet; pass processor=None "
-                                      "(image bytes are still returned under multi_modal_data)")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (prompts are left-padded)")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.prompt_key = prompt_key
-        self.image_key = image_key
+        self.image_key, self.video_key, self.processor = image_key, video_key, processor
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
         self.reward_fn_key = reward_fn_key
@@ -128,6 +129,7 @@ class RLHFDataset:
                                  f"data.prompt_key to the column holding the chat messages")
         for row_number, row in enumerate(rows):
             self._check_row(row, path, row_number)
+            row["_folder"] = path.parent          # image paths in the row are relative to its parquet
         return rows
 
     def _check_row(self, row, path, row_number):
@@ -143,6 +145,13 @@ class RLHFDataset:
                              f"{{'style': 'rule', 'ground_truth': ...}}, got {row['reward_model']!r:.200}")
         if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
             raise ValueError(f"{where}, column 'extra_info': expected a struct, got {row['extra_info']!r:.200}")
+        if self.processor is not None:
+            import vision
+            vision.check_row(row, self.prompt_key, self.image_key, self.video_key, path.parent, where)
+        elif row.get(self.image_key) or row.get(self.video_key):
+            raise ValueError(f"{where}: the row has images or videos (columns {self.image_key!r}/{self.video_key!r}) "
+                             f"but the model is text-only, so it would never see them; use a vision-language "
+                             f"model (e.g. Qwen2.5-VL) or drop the column")
 
     def _drop_overlong_prompts(self):
         lengths = [len(self._prompt_ids(row)) for row in self.rows]
@@ -153,13 +162,24 @@ class RLHFDataset:
         self.origins = [self.origins[i] for i in keep]
 
     def _messages(self, row):
-        """The chat messages of a row (multimodal rows will split `<image>` markers here)."""
         return row[self.prompt_key]
 
-    def _prompt_ids(self, row):
+    def _encode(self, row):
+        """(templated prompt ids (image tokens expanded), raw ids for the rollout, multi_modal_data,
+        multi_modal_inputs); the last two are None for a text model."""
+        if self.processor is not None:
+            import vision
+            images = vision.row_images(row, self.image_key, row["_folder"], "")
+            ids, raw_ids, inputs = vision.encode_prompt(self.processor, self._messages(row), images,
+                                                        self.chat_template)
+            return ids, raw_ids, {"image": images}, inputs
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
                                                   add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids, ids, None, None
+
+    def _prompt_ids(self, row):
+        return self._encode(row)[0]
 
     def __len__(self):
         return len(self.rows)
@@ -186,11 +206,12 @@ class RLHFDataset:
 
     def __getitem__(self, i):
         row = self.rows[i]
-        ids = self._prompt_ids(row)
-        if len(ids) > self.max_prompt_length and self.truncation == "error":
-            raise self._overlong_error(i, len(ids))
-        raw_prompt_ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
-        input_ids, attention_mask = left_pad(raw_prompt_ids, self.max_prompt_length, self.tokenizer.pad_token_id)
+        ids, raw_ids, multi_modal_data, multi_modal_inputs = self._encode(row)
+        if len(ids) > self.max_prompt_length and (self.truncation == "error" or multi_modal_inputs):
+            raise self._overlong_error(i, len(ids))       # cutting a prompt with images would cut image tokens
+        ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+        raw_prompt_ids = truncate_ids(raw_ids, self.max_prompt_length, self.truncation)
+        input_ids, attention_mask = left_pad(ids, self.max_prompt_length, self.tokenizer.pad_token_id)
         item = {
             "input_ids": input_ids,  # [P]
             "attention_mask": attention_mask,  # [P]
@@ -207,8 +228,8 @@ class RLHFDataset:
             item[self.reward_fn_key] = row[self.reward_fn_key]
         if self.return_raw_chat:
             item["raw_prompt"] = self._messages(row)
-        if row.get(self.image_key):
-            item["multi_modal_data"] = {"image": list(row[self.image_key])}
+        if multi_modal_inputs:
+            item["multi_modal_data"], item["multi_modal_inputs"] = multi_modal_data, multi_modal_inputs
         return item
 
 
@@ -322,8 +343,8 @@ def gsm8k_row(example, split, index):
     }
 
 
-def read_gsm8k_split(input_dir, split):
-    """GSM8K examples of `split` from DIR/split.jsonl, DIR/split.parquet or an HF layout DIR/**/split-*.parquet."""
+def read_split(input_dir, split, name="GSM8K", hub_name="openai/gsm8k"):
+    """Examples of `split` from DIR/split.jsonl, DIR/split.parquet or an HF layout DIR/**/split-*.parquet."""
     input_dir = Path(input_dir)
     jsonl = input_dir / f"{split}.jsonl"
     if jsonl.is_file():
@@ -332,8 +353,8 @@ def read_gsm8k_split(input_dir, split):
     parquets = [input_dir / f"{split}.parquet"] if (input_dir / f"{split}.parquet").is_file() else sorted(
         input_dir.rglob(f"{split}-*.parquet"))
     if not parquets:
-        raise FileNotFoundError(f"no GSM8K {split} split in {input_dir}: expected {split}.jsonl, {split}.parquet "
-                                f"or {split}-*.parquet (the HF openai/gsm8k layout)")
+        raise FileNotFoundError(f"no {name} {split} split in {input_dir}: expected {split}.jsonl, {split}.parquet "
+                                f"or {split}-*.parquet (the HF {hub_name} layout)")
     return [row for path in parquets for row in pq.read_table(path).to_pylist()]
 
 
@@ -343,12 +364,66 @@ def preprocess_gsm8k(input_dir, out_dir):
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split in ("train", "test"):
-        examples = read_gsm8k_split(input_dir, split)
+        examples = read_split(input_dir, split)
         for i, example in enumerate(examples):
             if not {"question", "answer"} <= example.keys():
                 raise ValueError(f"GSM8K {split} example {i} in {input_dir} lacks 'question'/'answer': "
                                  f"{sorted(example)}")
         rows = [gsm8k_row(example, split, i) for i, example in enumerate(examples)]
+        paths[split] = out_dir / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), paths[split])
+        print(f"wrote {len(rows)} rows to {paths[split]}")
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry3k preprocessing (verl examples/data_preprocess/geo3k.py, reading local files)
+# ------------------------------------------------------------------------------------------------------------
+GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the "
+                     r"final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
+                     r"answer MUST BE put in \boxed{}.")
+
+
+def geo3k_image(value, input_dir):
+    """An image as the {bytes, path} struct Hugging Face datasets writes; a path (relative to the input folder)
+    is read in, so the output parquet stands alone."""
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        return {"bytes": value["bytes"], "path": value.get("path")}
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": bytes(value), "path": None}
+    path = value.get("path") if isinstance(value, dict) else value
+    if not isinstance(path, str) or not (Path(input_dir) / path).is_file():
+        raise ValueError(f"geometry3k image {value!r:.80}: expected image bytes, a {{bytes, path}} struct or a path "
+                         f"to a file under {input_dir}")
+    return {"bytes": (Path(input_dir) / path).read_bytes(), "path": path}
+
+
+def geo3k_row(example, split, index, input_dir):
+    """One verl-format row from a geometry3k {problem (with <image>), answer, images} example."""
+    problem, answer = example["problem"], example["answer"]
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
+        "images": [geo3k_image(image, input_dir) for image in example["images"]],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": problem},
+    }
+
+
+def preprocess_geo3k(input_dir, out_dir):
+    """Write verl-format train.parquet and test.parquet (images kept); returns {split: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in ("train", "test"):
+        examples = read_split(input_dir, split, "geometry3k", "hiyouga/geometry3k")
+        rows = []
+        for i, example in enumerate(examples):
+            if not {"problem", "answer", "images"} <= example.keys():
+                raise ValueError(f"geometry3k {split} example {i} in {input_dir} lacks 'problem'/'answer'/'images': "
+                                 f"{sorted(example)}")
+            rows.append(geo3k_row(example, split, i, input_dir))
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -369,6 +444,22 @@ def run_gsm8k(args):
     preprocess_gsm8k(args.input, args.out)
 
 
+def run_geo3k(args):
+    preprocess_geo3k(args.input, args.out)
+
+
+def run_demo_vl(args):
+    from demo_vl import make_vl_demo_assets      # Pillow, transformers' processors: only for this command
+
+    start = time.time()
+    paths = make_vl_demo_assets(args.out)
+    warmup = json.loads(paths["warmup"].read_text())
+    print(f"VL demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, "
+          f"data {paths['train']} / {paths['test']}")
+    print(f"warmed-up model after {warmup['steps']} steps, greedy on the test prompts: "
+          f"format {warmup['format']:.0%}, accuracy {warmup['accuracy']:.0%}")
+
+
 def run_demo(args):
     # Imported here: demo.py builds on this module (left_pad) and on rewards.py, which the dataset code never needs.
     from demo import make_demo_assets
@@ -386,7 +477,12 @@ COMMANDS = {
     "gsm8k": Command("GSM8K jsonl/parquet -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_gsm8k,
                      (("--input", "folder with train/test .jsonl or .parquet"),)),
+    "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
+                     "folder for train.parquet and test.parquet", run_geo3k,
+                     (("--input", "folder with train/test .jsonl or .parquet"),)),
     "demo": Command("tiny warmed-up model + addition task parquet", "folder for model/ and data/", run_demo),
+    "demo-vl": Command("tiny warmed-up Qwen2.5-VL + colour-of-the-square task parquet (images)",
+                       "folder for model/ and data/", run_demo_vl),
 }
 
 

@@ -61,9 +61,10 @@ def default_tokenizer_corpus():
     return lines
 
 
-def build_tokenizer(out_dir, corpus=None, vocab_size=512):
+def build_tokenizer(out_dir, corpus=None, vocab_size=512, extra_special_tokens=(), chat_template=CHAT_TEMPLATE):
     """Train a byte-level BPE (digits split one per token, like Qwen) with a Qwen-style chat template; eos
-    <|im_end|>, pad <|endoftext|>. Saves it to out_dir and returns the PreTrainedTokenizerFast."""
+    <|im_end|>, pad <|endoftext|>; `extra_special_tokens` (e.g. the vision tokens) are added whole. Saves it to
+    out_dir and returns the PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,11 +72,13 @@ def build_tokenizer(out_dir, corpus=None, vocab_size=512):
     bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, TURN_START, TURN_END],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[PAD_TOKEN, TURN_START, TURN_END, *extra_special_tokens],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus if corpus is not None else default_tokenizer_corpus(), trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=TURN_END, pad_token=PAD_TOKEN,
-                                        extra_special_tokens=[TURN_START], chat_template=CHAT_TEMPLATE)
+                                        extra_special_tokens=[TURN_START, *extra_special_tokens],
+                                        chat_template=chat_template)
     tokenizer.save_pretrained(out_dir)
     return tokenizer
 

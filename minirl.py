@@ -51,6 +51,7 @@ from transformers import AutoTokenizer
 import checkpoint
 import failures
 import losses
+import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
@@ -216,9 +217,11 @@ class Trainer:
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)
+        # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
+        self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
-                              image_key=data.image_key,
+                              image_key=data.image_key, video_key=data.video_key, processor=processor,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
                               chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
@@ -263,7 +266,9 @@ class Trainer:
         mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         sync_rollout(self.actor, self.rollout)                                 # the weights move here, every call
         seed = sampling_seed(self.cfg.trainer.seed, self.global_step, dp_rank, seed_purpose)
-        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed)
+        multi_modal = vision.rollout_inputs(batch, mine)            # None without images
+        tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed,
+                                                 **({"multi_modal": multi_modal} if multi_modal else {}))
         self.rollout.sleep()                                                   # and the memory goes back here
         pad, eos, length = self.tokenizer.pad_token_id, self.rollout.eos_ids, sampling.max_tokens
         local = responses_to_batch(take(batch, mine), tokens, length, pad, eos)
@@ -448,7 +453,8 @@ class Trainer:
                     metrics["timing_s/testing"] = time.perf_counter() - start
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.tokenizer, self.stateful)
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader,
+                                    self.processor or self.tokenizer, self.stateful)    # VL: the processor too
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.loader.epoch

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import lora
 import losses
 import ulysses
+import vision
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
 from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
@@ -47,14 +48,17 @@ def attention_backend(device_type, use_remove_padding):
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,
                gradient_checkpointing=False, attn_implementation="sdpa"):
-    """A Hugging Face model from a local folder: kind 'causal' (actor/ref), 'token_cls' (critic, 1 label),
-    'seq_cls' (reward model, 1 label). A causal-LM checkpoint loaded as token_cls gets a fresh value head."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification)
+    """A Hugging Face model from a local folder: kind 'causal' (actor/ref; a vision-language checkpoint loads with
+    its vision tower), 'token_cls' (critic, 1 label), 'seq_cls' (reward model, 1 label). A causal-LM checkpoint
+    loaded as token_cls gets a fresh value head."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    loader = {"causal": AutoModelForCausalLM, "token_cls": AutoModelForTokenClassification,
+    if kind != "causal" and vision.is_vision_language(config):
+        raise ConfigError(f"'{path}' is a vision-language model; minirl has no value or reward head for one yet: "
+                          f"use a critic-free estimator (algorithm.adv_estimator=grpo) and a rule reward")
+    loader = {"causal": vision.causal_lm_class(config), "token_cls": AutoModelForTokenClassification,
               "seq_cls": AutoModelForSequenceClassification}[kind]
     if kind != "causal":
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
@@ -72,15 +76,14 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
 
 def decoder_layers(model):
     """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one), under peft's LoRA
-    wrapper too."""
+    wrapper too: the decoder layers, and a vision-language model's vision blocks too."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    base = getattr(model, model.base_model_prefix, model)
-    layers = getattr(base, "layers", None)
+    layers = getattr(vision.language_model(model), "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .{model.base_model_prefix}"
                          ".layers); minirl shards per decoder layer")
-    return list(layers)
+    return list(layers) + vision.vision_blocks(model)
 
 
 def shard_fsdp2(model, mixed_precision=False):
@@ -139,8 +142,10 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
     if use_remove_padding:
         ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
         packed_labels = labels.reshape(-1)[indices].unsqueeze(0)        # [1, nnz]
+        vision_inputs = vision.forward_kwargs(model, batch, indices, pos)   # images: pixels, rope positions
         ids, pos, packed_labels, sp_kwargs = _sequence_slice(ids, pos, packed_labels, sp_group)
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False, **sp_kwargs).logits[0]   # [nnz(/sp), V]
+        inputs = {"input_ids": ids, "position_ids": pos, **vision_inputs, **sp_kwargs}
+        logits = model(**inputs, use_cache=False).logits[0]             # [nnz(/sp), V]
         logits = logits.float() / temperature
         logp_flat = logits.new_zeros(b * length)
         logp_flat[indices] = _sequence_gather(logprobs_fn(logits, packed_labels[0]), len(indices), sp_group)
@@ -151,8 +156,9 @@ def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_
             ent_flat[indices] = _sequence_gather(entropy_fn(logits), len(indices), sp_group)
             entropy = ent_flat.view(b, length)
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits                          # [b, L, V]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  **vision.forward_kwargs(model, batch)}               # images: + pixels, rope positions [3, b, L]
+        logits = model(**inputs, use_cache=False).logits                # [b, L, V]
         logits = logits.float() / temperature
         logp = logprobs_fn(logits, labels)                                # [b, L]
         entropy = entropy_fn(logits) if calc_entropy else None
@@ -291,6 +297,9 @@ class Worker:
         self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
         self.sp_group = self.dp_group = None
         if sp > 1:
+            if vision.is_vision_language(model.config):
+                raise ConfigError(f"'{sp_key}'={sp}: Ulysses sequence parallel is built for text models; a "
+                                  f"vision-language model's image positions are not split yet: set it to 1")
             self.sp_group, self.dp_group = ulysses.device_groups(device.type, sp)
             ulysses.enable(model, sp, self.sp_group, sp_key)
         model.to(device)

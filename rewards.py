@@ -9,10 +9,11 @@ token. Usage:
     scores, extras = score_responses(fn, responses, data_sources, ground_truths, extra_infos, origins)
     token_scores = token_level_scores(torch.tensor(scores), response_mask)               # [B, R]
 
-Built-in data sources (see SCORERS): openai/gsm8k, the three MATH names, hiyouga/geometry3k and the demo task
-minirl/add. Any scorer takes (data_source, solution_str, ground_truth, extra_info=None), the signature verl uses for
-`custom_reward_function`, and returns a number or a dict holding "score" (finite, |score| <= MAX_ABS_SCORE).
-A custom function that scores without answers says so with `compute_score.needs_ground_truth = False`.
+Built-in data sources (see SCORERS): openai/gsm8k, the three MATH names, hiyouga/geometry3k and the demo tasks
+minirl/add and minirl/colour. Any scorer takes (data_source, solution_str, ground_truth, extra_info=None), the
+signature verl uses for `custom_reward_function`, and returns a number or a dict holding "score" (finite,
+|score| <= MAX_ABS_SCORE). A custom function that scores without answers says so with
+`compute_score.needs_ground_truth = False`.
 The answer comparisons (verl's MATH normal form, our stand-in for mathruler's grader) live in math_grader.py.
 """
 import importlib.util
@@ -126,6 +127,18 @@ def minirl_add_compute_score(solution_str, ground_truth):
     return gsm8k_compute_score(solution_str, str(ground_truth), method="strict", format_score=0.1, score=1.0)
 
 
+_COLOUR_ANSWER = re.compile(r"#### ([a-z]+)")
+
+
+def minirl_colour_compute_score(solution_str, ground_truth):
+    """The vision demo (which colour is the square?): 1.0 for the right "#### colour", 0.1 for another word after
+    "####", 0.0 without one. The last answer counts."""
+    answers = _COLOUR_ANSWER.findall(solution_str)
+    if not answers:
+        return 0.0
+    return 1.0 if answers[-1] == str(ground_truth) else 0.1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatch, loading, batch scoring
 
@@ -136,6 +149,7 @@ SCORERS = {
     "HuggingFaceH4/MATH-500": math_compute_score,
     "hiyouga/geometry3k": geo3k_compute_score,
     "minirl/add": minirl_add_compute_score,
+    "minirl/colour": minirl_colour_compute_score,
 }
 
 

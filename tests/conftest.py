@@ -78,6 +78,15 @@ def fixed_batch(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory):
+    """Random-init tiny Qwen2.5-VL + its locally built processor (no warm-up)."""
+    import demo_vl
+    out = tmp_path_factory.mktemp("tiny_vl")
+    demo_vl.build_tiny_vl_model(demo_vl.build_vl_processor(out)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
     """make_demo_assets output: model/ (warmed-up), data/{train,test}.parquet, warmup.json (~10 s, once)."""
     out = tmp_path_factory.mktemp("demo")

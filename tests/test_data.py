@@ -130,12 +130,11 @@ def test_check_prompt_lengths_names_the_first_overlong_row_up_front(tmp_path, to
 # ------------------------------------------------------------------------------------------------------------
 # Item fields, collate, bad input
 # ------------------------------------------------------------------------------------------------------------
-def test_item_fields_raw_chat_images_and_collate(tokenizer, tmp_path):
+def test_item_fields_raw_chat_and_collate(tokenizer, tmp_path):
     messages = [[{"role": "system", "content": "7"}, {"role": "user", "content": "12"}],
                 [{"role": "user", "content": "345"}]]
     extra = [{"split": "train", "index": 41}, {"split": "train", "index": 42}]
-    path = write_rows(tmp_path / "m.parquet", ["", ""], prompt=messages, extra_info=extra,
-                      images=[[b"\x89PNG fake"], None])
+    path = write_rows(tmp_path / "m.parquet", ["", ""], prompt=messages, extra_info=extra)
     ds = RLHFDataset(path, tokenizer, max_prompt_length=32, return_raw_chat=True)
     first = ds[0]
     assert first["raw_prompt_ids"] == (tokenizer.encode("<|im_start|>system\n", add_special_tokens=False)
@@ -146,13 +145,11 @@ def test_item_fields_raw_chat_images_and_collate(tokenizer, tmp_path):
     assert first["index"] == 41 and first["extra_info"] == extra[0]
     assert first["reward_model"] == {"style": "rule", "ground_truth": "0"}
     assert first["ability"] == "math" and first["data_source"] == "src0"
-    assert first["multi_modal_data"] == {"image": [b"\x89PNG fake"]}
-    assert "multi_modal_data" not in ds[1]
+    assert "multi_modal_data" not in first          # images: tests/test_vision.py
 
     batch = collate([ds[0], ds[1]])
     assert batch["input_ids"].shape == (2, 32) and batch["position_ids"].shape == (2, 32)
     assert batch["index"] == [41, 42] and batch["data_source"] == ["src0", "src1"]
-    assert batch["multi_modal_data"] == [{"image": [b"\x89PNG fake"]}, None]
     assert isinstance(batch["raw_prompt_ids"], list) and len(batch["raw_prompt_ids"]) == 2
 
 

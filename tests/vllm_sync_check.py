@@ -27,7 +27,7 @@ TEMPERATURE, RESPONSE_LEN = 0.7, 8
 PROMPTS = ["What is 3 + 4?", "Add 2 and 5.", "hello there", "1 + 1 ="]
 
 
-def config(model_dir, tp, run_dir, world):
+def config(model_dir, tp, run_dir, world, extra=()):
     overrides = [f"actor_rollout_ref.model.path={model_dir}", "data.train_files=unused", f"af_output_dir={run_dir}",
                  "algorithm.adv_estimator=grpo",
                  "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.load_format=dummy_dtensor",
@@ -38,7 +38,7 @@ def config(model_dir, tp, run_dir, world):
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
                  "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.actor.use_torch_compile=false",
-                 "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.logger=[console]"]
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.logger=[console]", *extra]
     return load_config(None, overrides, world_size=world, check_paths=False)
 
 

