@@ -50,6 +50,7 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import failures
+import flops
 import losses
 import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
@@ -249,6 +250,7 @@ class Trainer:
         self.reward_model = RewardModel(cfg, self.device, self.tokenizer) if cfg.reward_model.enable else None
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.rollout = build_rollout(cfg, self.tokenizer, self.device)
+        self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
@@ -329,18 +331,14 @@ class Trainer:
                 scores = all_gather_rows(self.score(local), self.world_size)             # [B]
                 batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
 
-            # 5. log-probs of the sampling policy, and of the reference
-            with timer("old_log_prob", timings):
-                local["old_log_probs"], entropy = self.actor.compute_log_prob(
-                    local, self.plan["old_log_prob_micro_batch"], arr.rollout.log_prob_use_dynamic_bsz,
-                    arr.rollout.log_prob_max_token_len_per_gpu, arr.rollout.temperature, calc_entropy=True)
-                mask = local["response_mask"].float()
-                ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
-                metrics["actor/entropy"] = ent_sum / max(tok, 1.0)
-                batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)   # [B, R]
-                if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
-                    metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
-                                                      batch["response_mask"]))
+            # 5. log-probs of the sampling policy (unless the update's own are provably equal), of the reference
+            on_policy = update_is_on_policy(cfg, self.global_step)
+            if not on_policy:
+                with timer("old_log_prob", timings):
+                    local["old_log_probs"], entropy = self.actor.compute_log_prob(
+                        local, self.plan["old_log_prob_micro_batch"], arr.rollout.log_prob_use_dynamic_bsz,
+                        arr.rollout.log_prob_max_token_len_per_gpu, arr.rollout.temperature, calc_entropy=True)
+                    metrics.update(self.record_old_log_probs(batch, local, entropy))
             if self.ref is not None:
                 with timer("ref", timings):
                     local["ref_log_prob"], _ = self.ref.compute_log_prob(
@@ -375,12 +373,33 @@ class Trainer:
                     metrics.update(self.critic.update(local, self.plan["critic_dp"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
-                    metrics.update(self.actor.update(local, self.dp))
+                    metrics.update(self.actor.update(local, self.dp, on_policy=on_policy))
+                if on_policy:                    # the update's first forward gave the sampling policy's log-probs
+                    local["old_log_probs"], entropy = self.actor.on_policy_outputs
+                    metrics.update(self.record_old_log_probs(batch, local, entropy))
+                if self.peak_flops:              # verl's perf/mfu/actor, where the device's peak is known
+                    work = arr.actor.ppo_epochs * flops.training_flops(
+                        self.actor.model.config, batch["attention_mask"].sum(-1).tolist(),
+                        int(batch["response_mask"].sum()))
+                    metrics["perf/mfu/actor"] = flops.mfu(work, timings["update_actor"], self.peak_flops,
+                                                          self.world_size)
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir and self.rank == 0:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
+        return metrics
+
+    def record_old_log_probs(self, batch, local, entropy):
+        """Gather this rank's old log-probs into the full batch; metrics: actor/entropy (over all ranks' response
+        tokens) and, with vLLM, its log-probs against the actor's (training/rollout_probs_diff_*)."""
+        mask = local["response_mask"].float()
+        ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
+        metrics = {"actor/entropy": ent_sum / max(tok, 1.0)}
+        batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)    # [B, R]
+        if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
+            metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
+                                              batch["response_mask"]))
         return metrics
 
     def dump_generations(self, folder, batch, scores):
@@ -496,6 +515,17 @@ class Trainer:
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def update_is_on_policy(cfg, global_step):
+    """Whether the actor's update provably starts from the weights that sampled and takes no optimizer step
+    before its last forward, so its own log-probs (detached) are the old log-probs and their separate pass can be
+    skipped: one PPO epoch, the whole batch as one mini-batch, the actor updating this step (critic_warmup), and
+    no KL in the reward (that needs the old log-probs before the update). verl recomputes them always; the
+    result is the same up to fp32 rounding (tests/test_trainer.py)."""
+    actor = cfg.actor_rollout_ref.actor
+    return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+            and global_step >= cfg.trainer.critic_warmup and not cfg.algorithm.use_kl_in_reward)
 
 
 def sync_rollout(actor, engine):

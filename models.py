@@ -1,12 +1,14 @@
 """Models: load a Hugging Face model, shard it with FSDP2, and run the training forward pass.
 
 The forward pass is the one place that turns a batch into per-token log-probs (and entropy, or values):
-  * padded:  model(input_ids [b, L], attention_mask, position_ids) -> logits [b, L, V]
-  * packed (use_remove_padding): the micro-batch's valid tokens in one row [1, nnz]; position ids restart at 0 for
-    each sequence, which transformers reads as sequence boundaries (block-diagonal attention: varlen flash
-    attention where available, a packed-sequence mask on sdpa/eager); the result is scattered back to [b, L].
-Either way logits are divided by the sampling temperature and the response slice [:, P-1 : P+R-1] predicts the
-response tokens [:, P : P+R] (verl's `[:, -R-1:-1]`).
+  * padded:  model(input_ids [b, L], attention_mask, position_ids)
+  * packed (use_remove_padding): the micro-batch's valid tokens in one row [1, nnz], with the sequence
+    boundaries passed as flash-attention's varlen keywords; the attention (attention.py) costs sum(len^2):
+    flash-attention varlen on CUDA, torch_npu's fused attention on NPU, sdpa per sequence on CPU.
+Either way position L-R-1+t predicts response token t (verl's slice `[:, -R-1:-1]`), and only those positions
+reach the head: the final hidden states are cut to them inside the model's forward, and the LM head and
+log-softmax (divided by the sampling temperature) run over them in chunks, so the [tokens, vocab] logits of the
+prompt are never computed and those of the response never exist at once in a no-grad pass.
 
 Micro-batching: a fixed number of responses (`*_micro_batch_size_per_gpu`), or `use_dynamic_bsz`: sequences
 grouped under a token budget, with the same number of micro-batches on every rank (FSDP needs every rank to run
@@ -25,25 +27,13 @@ import lora
 import losses
 import ulysses
 import vision
+from attention import attention_backend
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
 from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and sharding
-
-
-def attention_backend(device_type, use_remove_padding):
-    """flash_attention_2 (varlen kernels: packed sequences cost nothing extra) where installed on CUDA, else sdpa.
-    On sdpa, transformers turns restarting position ids into a block-diagonal mask over the packed row, which is
-    quadratic in the packed length: on CPU, packing long micro-batches is slower than padding (bench/step.py)."""
-    if device_type == "cuda" and use_remove_padding:
-        try:
-            import flash_attn  # noqa: F401
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
 
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,
@@ -74,11 +64,22 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
     return model
 
 
+def unwrapped(model):
+    """The Hugging Face model under peft's LoRA wrapper (the model itself when it is not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder(model):
+    """The base model of a Hugging Face model (embeddings, blocks, final norm: what the head reads), under peft's
+    LoRA wrapper too."""
+    model = unwrapped(model)
+    return getattr(model, model.base_model_prefix, model)
+
+
 def decoder_layers(model):
     """The transformer blocks of a Hugging Face model (the units FSDP2 shards one by one), under peft's LoRA
     wrapper too: the decoder layers, and a vision-language model's vision blocks too."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
+    model = unwrapped(model)
     layers = getattr(vision.language_model(model), "layers", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .{model.base_model_prefix}"
@@ -113,102 +114,164 @@ def full_state_dict_items(model, keep=None):
 # ----------------------------------------------------------------------------------------------------------------
 # Forward passes
 
+HEAD_CHUNK_ELEMENTS = 2 ** 25    # logits computed at a time by the LM head ([tokens, V] fp32: 128 MiB)
+
 
 def _pack(input_ids, attention_mask, position_ids):
-    """Valid tokens of every row, concatenated: ids/pos [1, nnz], plus their flat indices in [b*L]."""
+    """Valid tokens of every row, concatenated: ids/pos [1, nnz], their flat indices in [b*L], and the sequence
+    boundaries in flash-attention's varlen keywords (cu_seq_lens [n_rows + 1], max_length), which the packed
+    attention reads (attention.py)."""
     flat_valid = attention_mask.reshape(-1).bool()                       # [b*L]
     indices = flat_valid.nonzero(as_tuple=True)[0]                       # [nnz]
     ids = input_ids.reshape(-1)[indices].unsqueeze(0)                    # [1, nnz]
     pos = position_ids.reshape(-1)[indices].unsqueeze(0)                 # [1, nnz]
-    return ids, pos, indices
+    lengths = attention_mask.sum(-1)
+    lengths = lengths[lengths > 0]                                       # [rows with tokens]
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)    # [rows + 1]
+    max_length = int(lengths.max()) if lengths.numel() else 0
+    varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
+              "max_length_k": max_length}
+    return ids, pos, indices, varlen
+
+
+def _model_inputs(model, batch, use_remove_padding):
+    """The model's keyword inputs (a vision-language model's images and rope positions too: vision.py), and a map
+    from flat positions in [b*L] to positions of the model's output (packed: the index among valid tokens;
+    padded: the same position)."""
+    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    if not use_remove_padding:
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                **vision.forward_kwargs(model, batch)}, None          # images: + pixels, rope positions [3, b, L]
+    ids, pos, indices, varlen = _pack(input_ids, attention_mask, position_ids)
+    packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
+    return {"input_ids": ids, "position_ids": pos, **varlen,           # images: + pixels, rope positions [4, 1, nnz]
+            **vision.forward_kwargs(model, batch, indices, pos)}, packed_index
+
+
+def response_predicting_positions(attention_mask, response_len):
+    """Flat indices [n] into [b*L] of the positions whose next token is a valid response token: position
+    L-R-1+t predicts response token t (verl's slice [:, -R-1:-1]). Only these need the head."""
+    length = attention_mask.shape[1]
+    predicts = torch.zeros_like(attention_mask, dtype=torch.bool)          # [b, L]
+    predicts[:, length - response_len - 1:length - 1] = attention_mask[:, length - response_len:].bool()
+    return predicts.reshape(-1).nonzero(as_tuple=True)[0]
+
+
+def _scatter_to_responses(values, keep, shape):
+    """values [n] at flat positions `keep` (from response_predicting_positions) -> [b, R], zero elsewhere."""
+    (b, length), response_len = shape
+    out = values.new_zeros(b, response_len)
+    out[keep // length, keep % length - (length - response_len - 1)] = values
+    return out
+
+
+def _kept_inputs(model, batch, keep, use_remove_padding, sp_group):
+    """The model's inputs and the positions of its output whose head values are wanted (`keep` [n], flat
+    positions in [b*L]), for this rank. With sp_group (Ulysses, packed rows only; ulysses.shard_packed): this
+    rank's slice of the packed row and its kept positions in it. Also returns which of `keep` are this rank's,
+    and `gather`, which puts every rank's per-position outputs back together in keep's order."""
+    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
+    kept = keep if to_output is None else to_output[keep]
+    if sp_group is None:
+        return inputs, kept, slice(None), lambda values: values
+    return ulysses.shard_packed(inputs, kept, sp_group)
+
+
+def forward_kept(model, inputs, keep, head_fn=None):
+    """Run `model` on `inputs` with its final hidden states cut to positions `keep` [n] (of its flattened
+    output) before the head, so the head runs on those alone.
+
+    With head_fn, head_fn(hidden [n, H]) replaces the model's head and its result is returned. It runs inside
+    the model's forward (a hook on the decoder's output), where FSDP2 has the head's weights gathered and
+    autograd reaches them. Without it the model's own head runs on the kept positions: output [n, ...]."""
+    result = {}
+
+    def cut(module, args, output):
+        hidden = output.last_hidden_state.flatten(0, 1)[keep]           # [n, H]
+        if head_fn is None:
+            output.last_hidden_state = hidden.unsqueeze(0)                 # [1, n, H]
+        else:
+            result["head"] = head_fn(hidden)
+            output.last_hidden_state = hidden[:0].unsqueeze(0)             # the model's own head has nothing to do
+        return output
+
+    handle = decoder(model).register_forward_hook(cut)
+    try:
+        out = model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return result["head"] if head_fn is not None else out.logits[0]
+
+
+def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad=True):
+    """head_fn for forward_kept: hidden [n, H] -> (log-probs [n], entropy [n] or None), fp32, the LM head and
+    log-softmax run HEAD_CHUNK_ELEMENTS logits at a time so the [n, V] logits never exist at once (only the
+    chunks autograd keeps for backward). entropy_grad=False computes entropy without autograd (a metric)."""
+    logprobs_fn, entropy_fn = kernels
+    head = model.get_output_embeddings()
+    if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
+        raise NotImplementedError(f"{type(model).__name__} post-processes its logits (soft-capping or scaling); "
+                                  f"minirl's log-prob head applies the output embedding alone")
+
+    def run(hidden):
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
+        logps, entropies = [], []
+        for h, y in zip(hidden.split(chunk), labels.split(chunk)):
+            logits = head(h).float().div_(temperature)                    # [c, V] (in place: mm keeps no output)
+            logps.append(logprobs_fn(logits, y))                          # [c]
+            if calc_entropy:
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    entropies.append(entropy_fn(logits))                  # [c]
+        return torch.cat(logps), (torch.cat(entropies) if calc_entropy else None)
+
+    return run
 
 
 def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None,
-                   sp_group=None):
+                   entropy_grad=True, sp_group=None):
     """Per-token log-probs of the response (and entropy) under `model`.
 
     batch: input_ids/attention_mask/position_ids [b, P+R], responses [b, R].
-    Returns (log_probs [b, R], entropy [b, R] or None), fp32. Positions outside the attention mask hold values
-    that the response mask zeroes out downstream. `kernels`: (logprobs_fn, entropy_fn), e.g. torch.compile'd.
-    sp_group (packed only): Ulysses sequence parallel; this rank runs its slice of the packed row and the
-    per-token results are gathered over the group (ulysses.py).
+    Returns (log_probs [b, R], entropy [b, R] or None), fp32, zero where the response is padding. Only the
+    positions that predict a response token reach the LM head. `kernels`: (logprobs_fn, entropy_fn), e.g.
+    torch.compile'd. sp_group: Ulysses sequence parallel (ulysses.py); each rank runs the head on the kept
+    positions of its slice of the packed row, and the results are gathered over the group.
     """
-    logprobs_fn, entropy_fn = kernels or (logprobs_from_logits, entropy_from_logits)
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    b, length = input_ids.shape
-    response_len = batch["responses"].shape[1]
-    # labels[t] = the token at t+1: what position t predicts
-    labels = torch.roll(input_ids, shifts=-1, dims=1)                    # [b, L]
-    if use_remove_padding:
-        ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-        packed_labels = labels.reshape(-1)[indices].unsqueeze(0)        # [1, nnz]
-        vision_inputs = vision.forward_kwargs(model, batch, indices, pos)   # images: pixels, rope positions
-        ids, pos, packed_labels, sp_kwargs = _sequence_slice(ids, pos, packed_labels, sp_group)
-        inputs = {"input_ids": ids, "position_ids": pos, **vision_inputs, **sp_kwargs}
-        logits = model(**inputs, use_cache=False).logits[0]             # [nnz(/sp), V]
-        logits = logits.float() / temperature
-        logp_flat = logits.new_zeros(b * length)
-        logp_flat[indices] = _sequence_gather(logprobs_fn(logits, packed_labels[0]), len(indices), sp_group)
-        logp = logp_flat.view(b, length)
-        entropy = None
-        if calc_entropy:
-            ent_flat = logits.new_zeros(b * length)
-            ent_flat[indices] = _sequence_gather(entropy_fn(logits), len(indices), sp_group)
-            entropy = ent_flat.view(b, length)
-    else:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  **vision.forward_kwargs(model, batch)}               # images: + pixels, rope positions [3, b, L]
-        logits = model(**inputs, use_cache=False).logits                # [b, L, V]
-        logits = logits.float() / temperature
-        logp = logprobs_fn(logits, labels)                                # [b, L]
-        entropy = entropy_fn(logits) if calc_entropy else None
-    response_slice = slice(length - response_len - 1, length - 1)
-    return logp[:, response_slice], (entropy[:, response_slice] if entropy is not None else None)
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    shape = (input_ids.shape, batch["responses"].shape[1])
+    keep = response_predicting_positions(attention_mask, shape[1])        # [n] flat positions in [b*L]
+    labels = input_ids.reshape(-1)[keep + 1]                              # [n] the response token each predicts
+    inputs, kept, mine, gather = _kept_inputs(model, batch, keep, use_remove_padding, sp_group)
+    head_fn = logprob_head(model, labels[mine], temperature, calc_entropy,
+                           kernels or (logprobs_from_logits, entropy_from_logits), entropy_grad)
+    logp, entropy = forward_kept(model, inputs, kept, head_fn)
+    return (_scatter_to_responses(gather(logp), keep, shape),
+            _scatter_to_responses(gather(entropy), keep, shape) if entropy is not None else None)
 
 
-def _sequence_slice(ids, pos, labels, sp_group):
-    """Ulysses: this rank's slice of the packed row (ulysses.slice_packed), and the model keyword arguments for
-    it; without sequence parallelism the row as it is."""
-    if sp_group is None:
-        return ids, pos, labels, {}
-    return ulysses.slice_packed(ids, pos, labels, sp_group)
-
-
-def _sequence_gather(values, nnz, sp_group):
-    """Per-token results of this rank's slice -> the whole packed row's [nnz] (identity without sp)."""
-    return values if sp_group is None else ulysses.gather_packed(values, nnz, sp_group)
-
-
-def head_outputs(model, batch, use_remove_padding=True, sp_group=None):
-    """The one-output head of a critic or reward model (token classification, 1 label) at every position:
-    [b, L] fp32, packed or padded like token_logprobs (and sequence parallel like it)."""
-    input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    b, length = input_ids.shape
-    if not use_remove_padding:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=False).logits[..., 0].float()            # [b, L]
-    ids, pos, indices = _pack(input_ids, attention_mask, position_ids)
-    ids, pos, _, sp_kwargs = _sequence_slice(ids, pos, ids, sp_group)
-    out = model(input_ids=ids, position_ids=pos, use_cache=False, **sp_kwargs).logits[0, :, 0].float()   # [nnz(/sp)]
-    per_token = out.new_zeros(b * length)
-    per_token[indices] = _sequence_gather(out, len(indices), sp_group)
-    return per_token.view(b, length)
+def head_outputs(model, batch, keep, use_remove_padding=True, sp_group=None):
+    """The one-output head of a critic or reward model (token classification, 1 label) at flat positions
+    `keep` [n] of [b*L]: [n] fp32, packed or padded (and sequence parallel) like token_logprobs."""
+    inputs, kept, _, gather = _kept_inputs(model, batch, keep, use_remove_padding, sp_group)
+    return gather(forward_kept(model, inputs, kept)[:, 0].float())
 
 
 def token_values(critic, batch, use_remove_padding=True, sp_group=None):
     """Values [b, R] from a token-classification critic, verl's slice [:, -R-1:-1] (the value of the state
-    before each response token)."""
-    length, response_len = batch["input_ids"].shape[1], batch["responses"].shape[1]
-    return head_outputs(critic, batch, use_remove_padding, sp_group)[:, length - response_len - 1:length - 1]
+    before each response token); zero where the response is padding."""
+    shape = (batch["input_ids"].shape, batch["responses"].shape[1])
+    keep = response_predicting_positions(batch["attention_mask"], shape[1])
+    return _scatter_to_responses(head_outputs(critic, batch, keep, use_remove_padding, sp_group), keep, shape)
 
 
 def last_token_scores(model, batch, use_remove_padding=True):
     """A reward model's score per row [b]: its head at the last valid token (verl's reward model worker reads a
     token-classification output there; a sequence-classification checkpoint loads as one)."""
-    per_token = head_outputs(model, batch, use_remove_padding)                         # [b, L]
-    length = per_token.shape[1]
-    last = (torch.arange(length).unsqueeze(0) * batch["attention_mask"].cpu()).argmax(-1)   # [b]
-    return per_token.gather(1, last.unsqueeze(1).to(per_token.device)).squeeze(1)
+    mask = batch["attention_mask"]
+    b, length = mask.shape
+    positions = torch.arange(length, device=mask.device)
+    last = (positions.unsqueeze(0) * mask).argmax(-1)                     # [b]
+    return head_outputs(model, batch, torch.arange(b, device=mask.device) * length + last, use_remove_padding)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,6 +388,10 @@ class Worker:
         """This rank's rows of a result over group_rows."""
         return tensor if self.sp_group is None else ulysses.own_rows(tensor, self.sp_group)
 
+    def row_numbers(self, b):
+        """The numbers of this rank's b rows among the rows group_rows gives [b]."""
+        return torch.arange(b) + (0 if self.sp_group is None else dist.get_rank(self.sp_group) * b)
+
     def micro_batches(self, batch, micro_size, dynamic, max_tokens):
         """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz; the budget is
         per device, so a micro-batch split over sp devices may hold sp times as many tokens, as in verl)."""
@@ -428,9 +495,10 @@ class Policy(Worker):
         if arr.actor.use_torch_compile:         # verl compiles the log-prob/entropy kernels, not the model
             self.kernels = tuple(torch.compile(kernel) for kernel in self.kernels)
 
-    def forward(self, micro, temperature, calc_entropy=False):
+    def forward(self, micro, temperature, calc_entropy=False, entropy_grad=True):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels, sp_group=self.sp_group)
+                              calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad,
+                              sp_group=self.sp_group)
 
     def adapter(self):
         """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
@@ -457,21 +525,37 @@ class Policy(Worker):
                     entropy[index] = ent.cpu()
         return self.own_rows(logp), (self.own_rows(entropy) if calc_entropy else None)
 
-    def update(self, batch, dp_size):
-        """verl's update_policy: Worker.optimize with losses.actor_loss on each micro-batch."""
+    def update(self, batch, dp_size, on_policy=False):
+        """verl's update_policy: Worker.optimize with losses.actor_loss on each micro-batch.
+
+        on_policy (the trainer's minirl.update_is_on_policy: one epoch, one mini-batch): the batch has no
+        old_log_probs; each micro-batch's own log-probs, detached, stand in for them (the weights that sampled are
+        the weights of this forward), and they and the entropy are kept in self.on_policy_outputs [b, R] each."""
         arr = self.cfg.actor_rollout_ref
         actor = arr.actor
+        if on_policy:          # row numbers ride along with the rows, so each micro-batch knows where it writes
+            b, response_len = batch["responses"].shape
+            batch = {**batch, "row": self.row_numbers(b)}
+            self.on_policy_outputs = (torch.zeros(b * self.sp, response_len), torch.zeros(b * self.sp, response_len))
 
         def loss_fn(micro, counts):
-            logp, entropy = self.forward(micro, arr.rollout.temperature, calc_entropy=actor.entropy_coeff != 0)
+            logp, entropy = self.forward(micro, arr.rollout.temperature,
+                                         calc_entropy=actor.entropy_coeff != 0 or on_policy,
+                                         entropy_grad=actor.entropy_coeff != 0)
+            if on_policy:      # this forward is the sampling policy's: keep what it gives
+                rows = micro["row"].cpu()
+                self.on_policy_outputs[0][rows] = logp.detach().cpu()
+                self.on_policy_outputs[1][rows] = entropy.detach().cpu()
             return losses.actor_loss(
-                logp, micro["old_log_probs"], micro.get("ref_log_prob"), micro["advantages"], entropy,
-                micro["response_mask"], clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c, entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
-                kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode,
-                **counts)
+                logp, logp.detach() if on_policy else micro["old_log_probs"], micro.get("ref_log_prob"),
+                micro["advantages"], entropy, micro["response_mask"], clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+                entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+                kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode, **counts)
 
         metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
+        if on_policy:
+            self.on_policy_outputs = tuple(self.own_rows(t) for t in self.on_policy_outputs)
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
         return metrics

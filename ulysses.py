@@ -6,9 +6,10 @@ sequence for 1/sp of the heads), runs the normal attention function, and trades 
 
     ranks:        groups of sp consecutive ranks; data parallel over world/sp groups (`device_groups`)
     rows:         each rank brings its own rows, the group works on all of them (`gather_group_rows`, `own_rows`)
-    packed row:   [1, nnz] -> right-padded to a multiple of sp -> this rank's [1, nnz_pad/sp] (`slice_packed`)
+    packed row:   [1, nnz] -> right-padded to a multiple of sp -> this rank's [1, nnz_pad/sp] (`shard_packed`)
     attention:    q/k/v [1, H, S/sp, D] -all-to-all-> [1, H/sp, S, D] -attention-> -all-to-all-> [1, S/sp, H, D]
-    outputs:      per-token results [S/sp] -all-gather-> [S] -> unpadded [nnz] (`gather_packed`)
+    outputs:      the head runs on this rank's kept positions (those predicting a response token) and the
+                  results are all-gathered over the group (`shard_packed`'s gather, `GatherRows`)
 
 Leaves out: the padded (non-packed) path (verl requires use_remove_padding too), sequence parallel generation,
 vision models' extra position ids (mrope), and sp groups spanning hosts.
@@ -111,26 +112,28 @@ class GatherRows(torch.autograd.Function):
 # Packed rows: split along the sequence, and back
 
 
-def slice_packed(ids, positions, labels, group):
-    """Right-pad the packed row to a multiple of sp and keep this rank's contiguous slice. ids/positions/labels
-    [1, nnz] -> [1, nnz_pad/sp] each, plus the model keyword argument carrying the full position ids to the
-    attention all-to-all. The pad (token 0) continues the last sequence's positions, where verl starts a new
-    sequence 0..k-1: causal attention keeps every real token from seeing it either way (and its outputs are
-    dropped), and a row holding one long sequence then needs no mask."""
+def shard_packed(inputs, kept, group):
+    """A packed row's model inputs (input_ids/position_ids [1, nnz], ...) and the sorted positions kept for the
+    head [n] -> (this rank's inputs, its kept positions within its slice, which of `kept` are its [n] bool, and
+    `gather`: every rank's outputs at its kept positions [n_rank, ...] -> [n, ...] in kept's order).
+
+    The row is right-padded to a multiple of sp and each rank keeps a contiguous 1/sp of it; the inputs also
+    carry the full position ids to the attention all-to-all. The pad (token 0) continues the last sequence's
+    positions, where verl starts a new sequence 0..k-1: causal attention keeps every real token from seeing it
+    either way (and no output of it is kept), and a row holding one long sequence then needs no mask."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
     pad = -ids.shape[1] % sp
     if pad:
-        zeros = ids.new_zeros(1, pad)
-        ids, labels = torch.cat([ids, zeros], 1), torch.cat([labels, zeros], 1)
+        ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
     chunk = ids.shape[1] // sp
     mine = slice(rank * chunk, (rank + 1) * chunk)
-    return ids[:, mine], positions[:, mine], labels[:, mine], {FULL_POSITIONS_KWARG: positions}
-
-
-def gather_packed(values, nnz, group):
-    """This rank's per-token outputs [S/sp, ...] -> the whole packed row's [nnz, ...] (gathered, pad dropped)."""
-    return GatherRows.apply(values, [values.shape[0]] * dist.get_world_size(group), group)[:nnz]
+    local = {**inputs, "input_ids": ids[:, mine], "position_ids": positions[:, mine], FULL_POSITIONS_KWARG: positions}
+    owner = kept // chunk                                                   # [n] the rank holding each position
+    counts = torch.bincount(owner, minlength=sp).tolist()
+    return (local, kept[owner == rank] - rank * chunk, owner == rank,
+            lambda values: GatherRows.apply(values, counts, group))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
 
 def enable(model, sp, group, key):
     """Route `model`'s attention through the all-to-all (registered as 'ulysses_sp<sp>+<inner>' with transformers'
-    AttentionInterface; no model code is forked). The model then expects inputs from slice_packed."""
+    AttentionInterface; no model code is forked). The model then expects inputs from shard_packed."""
     from transformers import AttentionInterface
     config = model.config
     repeat = kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)

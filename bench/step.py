@@ -1,16 +1,27 @@
-"""Benchmark one training step of the demo config, and the remove-padding speedup.
+"""Benchmark the training step: remove padding (packed) vs padded, the log-prob pass's memory, and FLOP/s.
 
-Part 1 runs the demo config for a few steps under torchrun (2 ranks, the HF rollout) and reports the median of
-each phase's seconds (timing_s/*) and the throughput, from the run's metrics.jsonl.
-Part 2 times forward+backward of the actor on one batch of varied lengths, padded vs packed (use_remove_padding),
-side by side in this process, and prints the ratio.
+1. Demo: the demo config for a few steps under torchrun (2 ranks, HF rollout), packed and padded
+   (use_remove_padding true/false) in alternating runs (--rounds); medians of timing_s/* over their steps.
+2. The model passes of a step on one micro-batch, sequences uniform in 16..384 tokens and short ones (40..80,
+   demo-sized): the actor's forward+backward (update) and its no-grad log-prob pass, padded (sdpa) vs packed
+   with minirl_varlen (attention.py), and packed with transformers' sdpa (a block-diagonal mask over the packed
+   row: what minirl did before). Variants take turns in each repeat; medians and ratios.
+3. Attention alone on the 16..384 row, forward only: minirl_varlen (length buckets), one call per sequence, a
+   dense block-diagonal mask, and with --flex flex attention with a document mask (compiled; it has no backward
+   on CPU, so it cannot train there).
+4. Peak memory of the no-grad log-prob pass (with entropy, as the old-log-prob pass) on a tiny model with Qwen's
+   152k vocabulary: logits over every position (before) vs the response positions in chunks (models.py). Each in
+   a fresh process; the peak is the rise of the resident set (ru_maxrss) over what it was before the pass.
+5. FLOP/s: the cores' fp32 matmul peak (2048^3, measured here) against the achieved FLOP/s of the packed actor
+   forward+backward of part 2 (flops.training_flops).
 
-Usage: .venv/bin/python bench/step.py [--steps 12] [--demo demo] [--skip-run]
+Usage: .venv/bin/python bench/step.py [--steps 8] [--rounds 2] [--demo demo] [--repeats 5] [--skip-run] [--flex]
 (the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,89 +33,261 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from models import token_logprobs  # noqa: E402
+import attention  # noqa: E402
+import flops  # noqa: E402
+from losses import entropy_from_logits, logprobs_from_logits  # noqa: E402
+from models import _model_inputs, token_logprobs  # noqa: E402
+
+VOCAB_152K = 151936          # Qwen2's vocabulary
 
 
-def run_demo_steps(steps, demo):
+# -- 1. the demo, packed vs padded ------------------------------------------------------------------------------
+
+def run_demo_steps(steps, demo, remove_padding):
     out = Path(tempfile.mkdtemp(prefix="bench_step_"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "minirl.py"),
-           "--config", str(ROOT / "config.yaml"), f"af_output_dir={out}", f"trainer.total_training_steps={steps}",
-           "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[console]",
-           f"actor_rollout_ref.model.path={demo}/model", f"data.train_files={demo}/data/train.parquet",
-           f"data.val_files={demo}/data/test.parquet"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "minirl.py"), "--config", str(ROOT / "config.yaml"), f"af_output_dir={out}",
+           f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+           "trainer.logger=[console]", f"actor_rollout_ref.model.path={demo}/model",
+           f"data.train_files={demo}/data/train.parquet", f"data.val_files={demo}/data/test.parquet",
+           f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return rows[2:]  # the first steps warm up allocators and caches
 
 
-def phase_table(rows):
-    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
-    lines = ["| phase | median s | share of step |", "|---|---|---|"]
-    step = statistics.median(r["timing_s/step"] for r in rows)
+def demo_table(packed_rows, padded_rows):
+    keys = sorted({k for r in packed_rows for k in r if k.startswith("timing_s/")})
+    lines = ["| phase | packed s | padded s | padded/packed |", "|---|---|---|---|"]
     for key in keys:
-        median = statistics.median(r[key] for r in rows)
-        lines.append(f"| {key[len('timing_s/'):]} | {median:.3f} | {median / step:.0%} |")
-    tput = statistics.median(r["perf/throughput"] for r in rows)
-    lines.append(f"\nthroughput (tokens/s per rank, median): {tput:.0f}")
+        packed = statistics.median(r[key] for r in packed_rows)
+        padded = statistics.median(r[key] for r in padded_rows)
+        lines.append(f"| {key[len('timing_s/'):]} | {packed:.3f} | {padded:.3f} | x{padded / packed:.2f} |")
+    tput = statistics.median(r["perf/throughput"] for r in packed_rows)
+    lines.append(f"\npacked throughput (tokens/s per rank, median): {tput:.0f}")
     return "\n".join(lines)
 
 
-def varied_batch(batch_size, prompt_len, response_len, vocab, seed=0):
-    """Left-padded prompts and right-padded responses whose lengths vary from 1 to the maximum."""
+# -- 2. varied lengths ------------------------------------------------------------------------------------------
+
+def varied_batch(rows, vocab, min_len=16, max_len=384, max_prompt=64, seed=0):
+    """Left-padded prompts and right-padded responses; each sequence's total length uniform in
+    [min_len, max_len], its prompt uniform in [8, max_prompt] (at most half of it)."""
     g = torch.Generator().manual_seed(seed)
-    P, R = prompt_len, response_len
-    ids = torch.randint(10, vocab, (batch_size, P + R), generator=g)
-    mask = torch.zeros(batch_size, P + R, dtype=torch.long)
-    for i in range(batch_size):
-        p = int(torch.randint(1, P + 1, (1,), generator=g))
-        r = int(torch.randint(1, R + 1, (1,), generator=g))
+    P, R = max_prompt, max_len - 8
+    ids = torch.randint(10, vocab, (rows, P + R), generator=g)
+    mask = torch.zeros(rows, P + R, dtype=torch.long)
+    for i in range(rows):
+        total = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        p = min(int(torch.randint(8, max_prompt + 1, (1,), generator=g)), total // 2)
         mask[i, P - p:P] = 1
-        mask[i, P:P + r] = 1
-    return {"input_ids": ids * mask, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": (ids * mask)[:, P:]}
+        mask[i, P:P + total - p] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:], "response_mask": mask[:, P:]}
 
 
-def time_forward_backward(model, batch, remove_padding, repeats):
+def timed(fn, repeats):
     times = []
     for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        logp, _ = token_logprobs(model, batch, use_remove_padding=remove_padding)
-        (logp * batch["attention_mask"][:, -logp.shape[1]:]).sum().backward()
+        fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def remove_padding_speedup(model_dir, repeats, shapes=((16, 64, 16), (64, 128, 256))):
-    """Rows of (shape, valid tokens, padded s, packed s, padded/packed) for micro-batches of each shape."""
+def update_pass(model, batch, remove_padding):
+    model.zero_grad(set_to_none=True)
+    logp, _ = token_logprobs(model, batch, use_remove_padding=remove_padding)
+    (logp * batch["response_mask"]).sum().backward()
+
+
+def logprob_pass(model, batch, remove_padding):
+    with torch.no_grad():
+        token_logprobs(model, batch, use_remove_padding=remove_padding, calc_entropy=True)
+
+
+def load(model_dir, attn):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lines = ["| micro-batch (rows x (prompt + response)) | valid tokens | padded s | packed s | speedup |",
-             "|---|---|---|---|---|"]
-    for rows, prompt_len, response_len in shapes:
-        batch = varied_batch(rows, prompt_len, response_len, model.config.vocab_size)
-        time_forward_backward(model, batch, True, 1)     # warm up both paths
-        time_forward_backward(model, batch, False, 1)
-        packed = time_forward_backward(model, batch, True, repeats)
-        padded = time_forward_backward(model, batch, False, repeats)
-        valid, total = int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
-        lines.append(f"| {rows} x ({prompt_len} + {response_len}) | {valid}/{total} | {padded:.4f} | {packed:.4f} | "
-                     f"x{padded / packed:.2f} |")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def varied_lengths(model_dir, batch, repeats):
+    """Median seconds per (pass, variant), alternating variants within each repeat."""
+    variants = {"padded (sdpa)": (load(model_dir, "sdpa"), False),
+                "packed, sdpa block-diagonal mask (before)": (load(model_dir, "sdpa"), True),
+                "packed, minirl_varlen": (load(model_dir, attention.VARLEN_CPU), True)}
+    results = {}
+    for name, fn in (("actor forward+backward", update_pass), ("log-prob pass (no grad)", logprob_pass)):
+        times = {v: [] for v in variants}
+        for v, (model, packed) in variants.items():
+            fn(model, batch, packed)                                        # warm up
+        for _ in range(repeats):
+            for v, (model, packed) in variants.items():
+                times[v] += timed(lambda: fn(model, batch, packed), 1)
+        results[name] = {v: statistics.median(t) for v, t in times.items()}
+    return results
+
+
+def varied_table(batches, results):
+    lines = ["| micro-batch | pass | padded s | packed, block-diagonal mask (before) s | packed, minirl_varlen s | "
+             "padded/packed |", "|---|---|---|---|---|---|"]
+    for label, batch in batches.items():
+        lengths = batch["attention_mask"].sum(-1)
+        shape = (f"{label}: {len(lengths)} x {int(lengths.min())}..{int(lengths.max())} tokens, "
+                 f"{int(lengths.sum())}/{batch['attention_mask'].numel()} valid")
+        for name, medians in results[label].items():
+            padded, before, now = medians.values()
+            lines.append(f"| {shape} | {name} | {padded:.3f} | {before:.3f} | {now:.3f} | x{padded / now:.2f} |")
     return "\n".join(lines)
+
+
+# -- 3. attention alone -----------------------------------------------------------------------------------------
+
+def attention_table(batch, repeats, with_flex, heads=2, head_dim=32):
+    import torch.nn.functional as F
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    nnz = sum(lengths)
+    q, k, v = (torch.randn(1, h, nnz, head_dim) for h in (heads, 1, 1))
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0))
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))     # [nnz] sequence ids
+
+    class Module:
+        training = False
+
+    def varlen(ratio):
+        def run():
+            attention.BUCKET_LENGTH_RATIO, saved = ratio, attention.BUCKET_LENGTH_RATIO
+            attention.varlen_cpu_attention(Module(), q, k, v, None, cu_seq_lens_q=cu)
+            attention.BUCKET_LENGTH_RATIO = saved
+        return run
+
+    def dense_mask():
+        mask = (doc[:, None] == doc[None, :]) & torch.ones(nnz, nnz, dtype=torch.bool).tril()
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    kernels = {f"minirl_varlen (length buckets within {attention.BUCKET_LENGTH_RATIO}x)":
+               varlen(attention.BUCKET_LENGTH_RATIO), "one sdpa call per sequence": varlen(1.0),
+               "sdpa, block-diagonal mask over the row": dense_mask}
+    if with_flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        block_mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), 1, None, nnz, nnz,
+                                       device="cpu")
+        compiled = torch.compile(flex_attention)
+        kernels["flex attention, document mask"] = lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+    medians = {}
+    with torch.no_grad():
+        for name, fn in kernels.items():
+            fn()                                                            # warm up (and compile)
+            medians[name] = statistics.median(timed(fn, repeats))
+    best = next(iter(medians.values()))
+    lines = ["| attention (forward, packed row) | s | vs minirl_varlen |", "|---|---|---|"]
+    lines += [f"| {name} | {s:.4f} | x{s / best:.2f} |" for name, s in medians.items()]
+    return "\n".join(lines)
+
+
+# -- 4. memory of the log-prob pass -----------------------------------------------------------------------------
+
+def logprobs_before_slicing(model, batch):
+    """What the log-prob pass did before: logits and entropy at every position, then the response slice."""
+    inputs, _ = _model_inputs(model, batch, True)
+    logits = model(**inputs, use_cache=False).logits[0].float() / 1.0               # [nnz, V]
+    labels = torch.roll(batch["input_ids"], -1, 1).reshape(-1)[batch["attention_mask"].reshape(-1).bool()]
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+
+def memory_probe(mode, rows):
+    """In a fresh process: the rise of peak RSS (MiB) during one no-grad log-prob pass."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(vocab_size=VOCAB_152K, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config._attn_implementation = attention.VARLEN_CPU
+    model = Qwen2ForCausalLM(config).eval()
+    batch = varied_batch(rows, VOCAB_152K, max_len=128, max_prompt=64)
+    rss_before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    high_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.no_grad():
+        if mode == "before":
+            logprobs_before_slicing(model, batch)
+        else:
+            token_logprobs(model, batch, use_remove_padding=True, calc_entropy=True)
+    high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_mib": (high - rss_before) / 2 ** 20, "stale_high_water": high_before > high,
+                      "tokens": int(batch["attention_mask"].sum()),
+                      "response_tokens": int(batch["response_mask"].sum())}))
+
+
+def memory_table(rows):
+    runs = {}
+    for mode in ("before", "after"):
+        out = subprocess.run([sys.executable, __file__, "--memory-probe", mode, "--rows", str(rows)], cwd=ROOT,
+                             check=True, capture_output=True, text=True)
+        runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after = runs["before"], runs["after"]
+    return (f"{rows} sequences of 16..128 tokens (prompt 8..64), {before['tokens']} tokens of which "
+            f"{before['response_tokens']} response; vocab {VOCAB_152K}, logits fp32\n\n"
+            "| log-prob pass (no grad, with entropy) | peak memory rise |\n|---|---|\n"
+            f"| every position's logits (before) | {before['peak_mib']:.0f} MiB |\n"
+            f"| response positions, head in chunks (now) | {after['peak_mib']:.0f} MiB |\n"
+            f"\nx{before['peak_mib'] / after['peak_mib']:.1f} lower")
+
+
+# -- 5. FLOP/s ---------------------------------------------------------------------------------------------------
+
+def matmul_peak(size=2048, repeats=5):
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    return 2 * size ** 3 / statistics.median(timed(lambda: a @ b, repeats))
+
+
+def flops_table(model_dir, batch, seconds):
+    config = load(model_dir, "sdpa").config
+    work = flops.training_flops(config, batch["attention_mask"].sum(-1).tolist(), int(batch["response_mask"].sum()))
+    peak = matmul_peak()
+    achieved = work / seconds
+    return (f"matmul peak of {torch.get_num_threads()} thread(s) (fp32, 2048^3): {peak / 1e9:.1f} "
+            f"GFLOP/s\npacked actor forward+backward: {work / 1e9:.2f} GFLOP in {seconds:.3f} s = "
+            f"{achieved / 1e9:.1f} GFLOP/s, {achieved / peak:.1%} of the matmul peak")
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-run", action="store_true", help="only the remove-padding comparison")
+    parser.add_argument("--rounds", type=int, default=2, help="packed and padded demo runs, alternating (part 1)")
+    parser.add_argument("--rows", type=int, default=16, help="sequences per micro-batch in parts 2-4")
+    parser.add_argument("--skip-run", action="store_true", help="leave out the torchrun demo (part 1)")
+    parser.add_argument("--flex", action="store_true", help="also time flex attention (compiles for ~1 min)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in parts 2-5 (1: what each of the trainer's 2 ranks uses on 2 cores)")
+    parser.add_argument("--memory-probe", choices=["before", "after"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        return memory_probe(args.memory_probe, args.rows)
+    model_dir = f"{args.demo}/model"
     if not args.skip_run:
-        print("## demo step, 2 ranks, hf rollout\n")
-        print(phase_table(run_demo_steps(args.steps, args.demo)))
-    print("\n## remove padding, forward+backward of the demo model (median of", args.repeats, "runs)\n")
-    print(remove_padding_speedup(f"{args.demo}/model", args.repeats))
+        print(f"## 1. demo step, 2 ranks, hf rollout, packed vs padded (medians of {args.rounds} alternating runs "
+              f"x {args.steps - 2} steps)\n")
+        packed, padded = [], []
+        for _ in range(args.rounds):            # the runs alternate, so a change in the machine's load hits both
+            packed += run_demo_steps(args.steps, args.demo, True)
+            padded += run_demo_steps(args.steps, args.demo, False)
+        print(demo_table(packed, padded))
+    model_vocab = load(model_dir, "sdpa").config.vocab_size
+    batches = {"uniform 16..384": varied_batch(args.rows, model_vocab),
+               "short 40..80": varied_batch(args.rows, model_vocab, min_len=40, max_len=80, max_prompt=64)}
+    print(f"\n## 2. the model passes, demo model (median of {args.repeats}, variants alternating)\n")
+    results = {label: varied_lengths(model_dir, batch, args.repeats) for label, batch in batches.items()}
+    print(varied_table(batches, results))
+    print(f"\n## 3. attention alone, the uniform 16..384 row (median of {args.repeats})\n")
+    print(attention_table(batches["uniform 16..384"], args.repeats, args.flex))
+    print("\n## 4. peak memory of the log-prob pass, 152k vocabulary\n")
+    print(memory_table(args.rows))
+    print("\n## 5. FLOP/s of the actor update\n")
+    print(flops_table(model_dir, batches["uniform 16..384"],
+                      results["uniform 16..384"]["actor forward+backward"]["packed, minirl_varlen"]))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ def reference_logprobs(model, batch, temperature):
     return out
 
 
-def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+@pytest.mark.parametrize("attention", ["sdpa", "minirl_varlen"])
+def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir, attention, monkeypatch):
+    """Both attentions (transformers' sdpa: a block-diagonal mask; minirl's per-sequence CPU attention), with the
+    LM head run in chunks of 3 tokens (HEAD_CHUNK_ELEMENTS)."""
+    import attention as _registers_minirl_varlen  # noqa: F401
+    import models
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
+    model.eval()
+    monkeypatch.setattr(models, "HEAD_CHUNK_ELEMENTS", 3 * model.config.vocab_size)
     batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
     response_mask = batch["attention_mask"][:, 6:].bool()
     with torch.no_grad():
@@ -39,15 +46,72 @@ def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir):
 
 
 def test_packed_gradients_match_padded(tiny_model_dir):
+    """Packed through minirl's per-sequence CPU attention vs padded through sdpa."""
+    import attention as _registers_minirl_varlen  # noqa: F401
     batch = padded_batch([5, 2, 6], [3, 5, 2], seed=1)
     mask = batch["attention_mask"][:, 6:].float()
     grads = []
     for rmpad in (True, False):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation="minirl_varlen" if rmpad else "sdpa")
         logp, _ = token_logprobs(model, batch, use_remove_padding=rmpad)
         (logp * mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_packed_cpu_attention_never_spans_sequences(tiny_model_dir, monkeypatch):
+    """minirl_varlen: sequences of similar length (within 1.5x) share one sdpa call, right-padded to the longest
+    of them; no call sees two sequences in one row and the model builds no mask over the packed row. Its
+    log-probs equal the one-sequence-at-a-time forward."""
+    import torch.nn.functional as F
+    import attention
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                 attn_implementation=attention.VARLEN_CPU).eval()
+    batch = padded_batch([6, 4, 1, 4], [5, 4, 4, 1])                 # lengths 11, 8, 5, 5
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(query, key, value, attn_mask=None, **kwargs):
+        calls.append((tuple(key.shape[::2]), attn_mask))                  # (sequences, length)
+        return real_sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        packed, _ = token_logprobs(model, batch, use_remove_padding=True)
+        monkeypatch.undo()
+        expected = reference_logprobs(model, batch, temperature=1.0)
+    assert [shape for shape, _ in calls] == [(2, 11), (2, 5)] * model.config.num_hidden_layers
+    assert all(mask is None for _, mask in calls)
+    response_mask = batch["attention_mask"][:, 6:].bool()
+    assert torch.allclose(packed[response_mask], expected[response_mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("device, remove_padding, flash_installed, expected", [
+    ("cpu", True, False, "minirl_varlen"), ("cpu", False, False, "sdpa"),
+    ("cuda", True, True, "flash_attention_2"), ("cuda", True, False, "minirl_varlen"), ("cuda", False, True, "sdpa"),
+    ("npu", True, False, "flash_attention_2"), ("npu", False, False, "sdpa"),
+])
+def test_attention_backend_selection(device, remove_padding, flash_installed, expected):
+    """Packed rows get a varlen attention on every device: flash-attn's on CUDA, torch_npu's fused attention on
+    NPU (transformers routes flash_attention_2 there), the per-sequence one elsewhere."""
+    from attention import attention_backend
+    assert attention_backend(device, remove_padding, flash_attn_installed=flash_installed) == expected
+
+
+def test_only_response_positions_reach_the_lm_head(tiny_model_dir):
+    """The LM head sees one row per valid response token (the prompt's positions never reach it), packed or
+    padded."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+    with torch.no_grad():
+        for rmpad in (True, False):
+            rows.clear()
+            token_logprobs(model, batch, use_remove_padding=rmpad, calc_entropy=True)
+            assert sum(r for r in rows) == 5 + 2 + 4 + 1
+    handle.remove()
 
 
 def test_fixed_micro_batches():

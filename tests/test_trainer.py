@@ -98,6 +98,32 @@ def test_actor_trains_and_reference_stays_frozen(demo_dir, tmp_path, nproc):
     assert report["actor_changed"] == report["actor_names"]
 
 
+def test_skipping_the_old_log_prob_pass_changes_no_metric(demo_dir, tmp_path):
+    """One epoch and one mini-batch per step: the update's own log-probs stand in for the old log-probs. A seeded
+    2-rank run logs the same metrics (fp32 rounding) as one that recomputes them in a separate pass, minus that
+    pass's timing."""
+    rows = {}
+    for mode in ("skip", "recompute"):
+        torchrun(2, "tests/on_policy_probe.py", mode, f"actor_rollout_ref.model.path={demo_dir}/model",
+                 f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+                 f"af_output_dir={tmp_path / mode}", "trainer.total_training_steps=2", "trainer.val_before_train=false",
+                 "trainer.test_freq=-1", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8")
+        rows[mode] = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows["skip"]) == len(rows["recompute"]) == 2
+    for skip, recompute in zip(rows["skip"], rows["recompute"]):
+        assert "timing_s/old_log_prob" in recompute and "timing_s/old_log_prob" not in skip
+        timing = ("timing_s/", "timing_per_token_ms/", "perf/")
+        compared = sorted(k for k in recompute if not k.startswith(timing))
+        assert sorted(k for k in skip if not k.startswith(timing)) == compared
+        for key in compared:
+            assert skip[key] == pytest.approx(recompute[key], rel=1e-5, abs=1e-6), key
+        assert abs(recompute["actor/ppo_kl"]) < 1e-6 and skip["actor/ppo_kl"] == 0.0     # on policy: ratio 1
+        # the actor update's FLOPs over its seconds against the made-up peak, 2 ranks
+        assert 0 < skip["perf/mfu/actor"] < 1 and 0 < recompute["perf/mfu/actor"] < 1
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3"], "3*3 = 9 responses must be divisible by the world size 2"),
     (["actor_rollout_ref.actor.kl_loss_type=k4"], "'actor_rollout_ref.actor.kl_loss_type' is 'k4'"),

@@ -88,8 +88,10 @@ def test_grpo_with_sequence_parallel_then_resume_without(demo_dir, tmp_path):
 
 
 def test_ppo_with_sequence_parallel_actor_reference_and_critic(demo_dir, tmp_path):
-    """PPO (GAE) with sp=2 for the actor, the reference (inherited) and the critic: both models train."""
+    """PPO (GAE) with sp=2 for the actor, the reference (inherited) and the critic: both models train. One
+    mini-batch per step, so the update's own log-probs stand in for the old ones (minirl.update_is_on_policy)."""
     rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                        "trainer.save_freq=-1", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                        f"critic.model.path={demo_dir}/model", "critic.ppo_micro_batch_size_per_gpu=2",
                        "critic.model.use_remove_padding=true", "critic.ulysses_sequence_parallel_size=2")
