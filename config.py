@@ -445,6 +445,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_sequence_parallel(cfg)
     _check_lora(cfg)
     _check_multi_turn(cfg, check_paths)
     if world_size:
@@ -505,6 +506,24 @@ def _check_algorithm(cfg):
         if len(get_dotted(cfg, role + ".optim.betas")) != 2:
             raise ConfigError(f"config key '{role}.optim.betas' must hold two numbers (Adam's beta1, beta2), got "
                               f"{get_dotted(cfg, role + '.optim.betas')}")
+
+
+SEQUENCE_PARALLEL_KEYS = {       # each worker's Ulysses size -> the key that switches its packed forward on
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "critic.ulysses_sequence_parallel_size": "critic.model.use_remove_padding",
+}
+
+
+def _check_sequence_parallel(cfg):
+    """Ulysses splits the packed row, so it needs the packed forward (verl asserts the same)."""
+    for dotted, packed in SEQUENCE_PARALLEL_KEYS.items():
+        if dotted.startswith("critic.") and cfg.algorithm.adv_estimator != "gae":
+            continue                                    # no critic is built
+        sp = get_dotted(cfg, dotted)
+        if sp > 1 and not get_dotted(cfg, packed):
+            raise ConfigError(f"'{dotted}'={sp} (Ulysses sequence parallel) splits the packed row of a micro-batch; "
+                              f"set '{packed}=true'")
 
 
 def _check_lora(cfg):

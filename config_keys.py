@@ -185,7 +185,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
     "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (None, "multi-turn interactions"),
     "actor_rollout_ref.hybrid_engine": (True, "one-step-off-policy on split devices"),
     "rollout.n_gpus_per_node": (None, "one-step-off-policy on split devices"),

@@ -395,7 +395,7 @@ class Trainer:
             #    models.Worker.optimize with losses.critic_loss / losses.actor_loss on every micro-batch
             if self.critic is not None:
                 with timer("update_critic", timings):
-                    metrics.update(self.critic.update(local, self.dp))
+                    metrics.update(self.critic.update(local, self.plan["critic_dp"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(local, self.dp, on_policy=on_policy))
