@@ -59,11 +59,12 @@ def all_gather_rows(tensor, world_size):
     return gather_tp_groups(tensor, world_size, tp_size=1)
 
 
-def all_reduce_sum(values, device):
-    """Sum a list of floats over ranks (one collective); the same list when not distributed."""
+def all_reduce_sum(values, device, group=None):
+    """Sum a list of floats over the ranks of `group` (default: all; one collective); the same list when not
+    distributed."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 

@@ -4,7 +4,7 @@ the sizes do not divide for a world size, batch_plan computes responses per rank
 """
 import os
 
-from config_keys import ConfigError
+from config_keys import ConfigError, get_dotted
 
 
 def _check_micro(per_gpu, global_size, dp, dotted):
@@ -19,8 +19,17 @@ def _micro_per_gpu(per_gpu, global_size, dp):
     return global_size // dp if per_gpu is None and global_size is not None else per_gpu
 
 
-def _data_parallel(cfg, world_size):
-    return world_size // cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+def _data_parallel(cfg, world_size, sp_key="actor_rollout_ref.actor.ulysses_sequence_parallel_size"):
+    """A worker's data-parallel size: world / its ulysses_sequence_parallel_size (verl's dp with sp); the actor's
+    by default."""
+    sp = get_dotted(cfg, sp_key)
+    if world_size % sp:
+        raise ConfigError(f"'{sp_key}'={sp} must divide the world size {world_size} (groups of sp consecutive "
+                          f"ranks share one data-parallel share of the batch)")
+    return world_size // sp
+
+
+REF_SP, CRITIC_SP = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"
 
 
 def check_batch(cfg, world_size):
@@ -28,13 +37,10 @@ def check_batch(cfg, world_size):
     devices (rollout.n_gpus_per_node) `world_size` is all processes and the arithmetic is over the trainer ranks."""
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
-    n, sp = rollout.n, actor.ulysses_sequence_parallel_size
+    n = rollout.n
     if cfg.rollout.n_gpus_per_node:
         world_size = check_split(cfg, world_size)
-    if world_size % sp:
-        raise ConfigError(f"world size {world_size} is not divisible by "
-                          f"'actor_rollout_ref.actor.ulysses_sequence_parallel_size'={sp}")
-    dp = _data_parallel(cfg, world_size)
+    dp, ref_dp = _data_parallel(cfg, world_size), _data_parallel(cfg, world_size, REF_SP)
     if not cfg.rollout.n_gpus_per_node:
         if rollout.name == "vllm" and world_size % rollout.tensor_model_parallel_size:
             raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
@@ -66,21 +72,25 @@ def check_batch(cfg, world_size):
                               f"{actor.ppo_mini_batch_size}*{n}/{dp} = {mini_per_rank} responses, which "
                               f"'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu'={micro} must divide")
     max_len = data.max_prompt_length + data.max_response_length
-    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < max_len:
+    sp = world_size // dp
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * sp < max_len:   # the budget covers sp devices
         raise ConfigError(f"'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'={actor.ppo_max_token_len_per_gpu} "
-                          f"must be at least max_prompt_length + max_response_length = {max_len}")
-    for worker, prefix in ((rollout, "actor_rollout_ref.rollout"), (ref, "actor_rollout_ref.ref")):
-        _check_micro(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, dp,
+                          f"(x ulysses_sequence_parallel_size {sp}) must be at least "
+                          f"max_prompt_length + max_response_length = {max_len}")
+    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp),
+                                      (ref, "actor_rollout_ref.ref", ref_dp)):
+        _check_micro(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
                      prefix + ".log_prob_micro_batch_size")
-        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, dp)
+        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp)
         if size is None and not worker.log_prob_use_dynamic_bsz:
             raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
     if cfg.algorithm.adv_estimator == "gae":
-        _check_critic_batch(cfg, dp)
-    if cfg.reward_model.enable:
+        _check_critic_batch(cfg, _data_parallel(cfg, world_size, CRITIC_SP))
+    if cfg.reward_model.enable:        # the reward model runs without sequence parallelism: dp = world size
         rm = cfg.reward_model
-        _check_micro(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp, "reward_model.micro_batch_size")
-        if _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp) is None and not rm.use_dynamic_bsz:
+        _check_micro(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size, "reward_model.micro_batch_size")
+        if (_micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size) is None
+                and not rm.use_dynamic_bsz):
             raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
 
 
@@ -139,6 +149,9 @@ def check_split_keys(cfg):
             raise ConfigError("'actor_rollout_ref.hybrid_engine'=false asks for one-step-off-policy on split "
                               "devices: set 'rollout.n_gpus_per_node' to the number of rollout ranks")
         return
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+        raise ConfigError("'actor_rollout_ref.rollout.multi_turn.enable'=true is not supported on split devices yet: "
+                          "the rollout ranks generate single turns; unset 'rollout.n_gpus_per_node' (colocated)")
     if cfg.actor_rollout_ref.model.lora_rank:
         raise ConfigError("'actor_rollout_ref.model.lora_rank' > 0 (LoRA) is not supported on split devices yet: "
                           "the weight sync sends full tensors; unset 'rollout.n_gpus_per_node' (colocated)")
@@ -175,13 +188,13 @@ def batch_plan(cfg, world_size):
         world_size = trainers
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
-    dp, n = _data_parallel(cfg, world_size), rollout.n
+    dp, ref_dp, n = _data_parallel(cfg, world_size), _data_parallel(cfg, world_size, REF_SP), rollout.n
     responses = data.train_batch_size * n
     mini_per_rank = actor.ppo_mini_batch_size * n // dp
     micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
     mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
     plan = {
-        "world_size": world_size, **split, "dp": dp, "responses_per_step": responses,
+        "world_size": world_size, **split, "dp": dp, "sp": world_size // dp, "responses_per_step": responses,
         "responses_per_rank": responses // dp, "mini_batches_per_step": mini_batches,
         "responses_per_mini_batch_per_rank": mini_per_rank,
         "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
@@ -190,17 +203,18 @@ def batch_plan(cfg, world_size):
         "old_log_prob_micro_batch": _micro_per_gpu(rollout.log_prob_micro_batch_size_per_gpu,
                                                    rollout.log_prob_micro_batch_size, dp),
         "ref_log_prob_micro_batch": _micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
-                                                   ref.log_prob_micro_batch_size, dp),
+                                                   ref.log_prob_micro_batch_size, ref_dp),
     }
     if cfg.algorithm.adv_estimator == "gae":
-        critic = cfg.critic
-        critic_micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp)
-        plan.update(critic_responses_per_mini_batch_per_rank=critic.ppo_mini_batch_size * critic.rollout_n // dp,
+        critic, critic_dp = cfg.critic, _data_parallel(cfg, world_size, CRITIC_SP)
+        critic_micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, critic_dp)
+        plan.update(critic_dp=critic_dp,
+                    critic_responses_per_mini_batch_per_rank=critic.ppo_mini_batch_size * critic.rollout_n // critic_dp,
                     critic_micro_batch=critic_micro,
                     critic_forward_micro_batch=critic.forward_micro_batch_size_per_gpu or critic_micro)
     if cfg.reward_model.enable:
         rm = cfg.reward_model
-        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp)
+        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size)
     return plan
 
 
@@ -213,10 +227,11 @@ def total_training_steps(cfg, batches_per_epoch):
 
 def format_plan(plan, steps=None):
     lines = ["batch plan:",
-             f"  world size {plan['world_size']} (data-parallel {plan['dp']})" if "trainer_ranks" not in plan else
+             f"  world size {plan['world_size']} (data-parallel {plan['dp']} x sequence-parallel {plan['sp']})"
+             if "trainer_ranks" not in plan else
              f"  split devices (one-step-off-policy): ranks 0..{plan['trainer_ranks'] - 1} train (data-parallel "
-             f"{plan['dp']}), ranks {plan['trainer_ranks']}..{plan['trainer_ranks'] + plan['rollout_ranks'] - 1} "
-             f"generate one step ahead",
+             f"{plan['dp']} x sequence-parallel {plan['sp']}), ranks {plan['trainer_ranks']}.."
+             f"{plan['trainer_ranks'] + plan['rollout_ranks'] - 1} generate one step ahead",
              f"  responses per step {plan['responses_per_step']} (train_batch_size x n), "
              f"per rank {plan['responses_per_rank']}",
              f"  mini-batches per step {plan['mini_batches_per_step']}, "

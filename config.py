@@ -445,7 +445,9 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
+    _check_sequence_parallel(cfg)
     _check_lora(cfg)
+    _check_multi_turn(cfg, check_paths)
     check_split_keys(cfg)
     if world_size:
         check_batch(cfg, world_size)
@@ -466,6 +468,21 @@ def _check_choices(cfg):
     if bad:
         raise ConfigError(f"config key 'trainer.logger' has unknown entries {bad}; choose from: {', '.join(LOGGERS)}")
     cfg.trainer.logger = list(loggers)
+
+
+def _check_multi_turn(cfg, check_paths=True):
+    """The agent loop's settings, and the tool yaml loaded once (a bad one fails here, before any model loads)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if not (rollout.multi_turn.enable or rollout.mode == "async"):
+        return
+    if not cfg.data.return_raw_chat:
+        raise ConfigError("multi-turn rollouts template the chat messages themselves: set data.return_raw_chat=True")
+    if rollout.ignore_eos:
+        raise ConfigError("actor_rollout_ref.rollout.ignore_eos=True cannot end an assistant turn; leave it False "
+                          "with multi_turn.enable or rollout.mode=async")
+    if rollout.multi_turn.tool_config_path and check_paths:
+        from tools import load_tools            # tools.py imports this module
+        load_tools(rollout.multi_turn.tool_config_path)
 
 
 def _check_not_yet(cfg):
@@ -490,6 +507,24 @@ def _check_algorithm(cfg):
         if len(get_dotted(cfg, role + ".optim.betas")) != 2:
             raise ConfigError(f"config key '{role}.optim.betas' must hold two numbers (Adam's beta1, beta2), got "
                               f"{get_dotted(cfg, role + '.optim.betas')}")
+
+
+SEQUENCE_PARALLEL_KEYS = {       # each worker's Ulysses size -> the key that switches its packed forward on
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "actor_rollout_ref.model.use_remove_padding",
+    "critic.ulysses_sequence_parallel_size": "critic.model.use_remove_padding",
+}
+
+
+def _check_sequence_parallel(cfg):
+    """Ulysses splits the packed row, so it needs the packed forward (verl asserts the same)."""
+    for dotted, packed in SEQUENCE_PARALLEL_KEYS.items():
+        if dotted.startswith("critic.") and cfg.algorithm.adv_estimator != "gae":
+            continue                                    # no critic is built
+        sp = get_dotted(cfg, dotted)
+        if sp > 1 and not get_dotted(cfg, packed):
+            raise ConfigError(f"'{dotted}'={sp} (Ulysses sequence parallel) splits the packed row of a micro-batch; "
+                              f"set '{packed}=true'")
 
 
 def _check_lora(cfg):

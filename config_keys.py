@@ -169,6 +169,9 @@ CHOICES = {
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
     "actor_rollout_ref.rollout.mode": ("sync", "async"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("strict", "ignore_strippable", "disable"),
     "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
     "algorithm.kl_penalty": KL_PENALTY_KINDS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -182,9 +185,7 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
     "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (1, "Ulysses sequence parallel"),
-    "actor_rollout_ref.rollout.multi_turn.enable": (False, "multi-turn tool calling"),
-    "actor_rollout_ref.rollout.mode": ("sync", "async rollout"),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (None, "multi-turn interactions"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),

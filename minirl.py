@@ -49,6 +49,7 @@ import yaml
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import agent
 import checkpoint
 import failures
 import flops
@@ -64,6 +65,7 @@ from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
+from tools import load_tools
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,12 +227,17 @@ class Trainer:
                                                        trust_remote_code=arr.model.trust_remote_code)
         # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
         self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
+        multi_turn = arr.rollout.multi_turn
+        use_agent = multi_turn.enable or arr.rollout.mode == "async"
+        self.tools = load_tools(multi_turn.tool_config_path) if use_agent and multi_turn.tool_config_path else {}
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
                               image_key=data.image_key, video_key=data.video_key, processor=processor,
                               # a reward model with its own chat template re-templates the raw conversation
                               return_raw_chat=data.return_raw_chat or cfg.reward_model.enable,
-                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key)
+                              chat_template=arr.model.custom_chat_template, reward_fn_key=data.reward_fn_key,
+                              # the tool schemas go into the chat template (multi-turn)
+                              tools=[dict(t.get_openai_tool_schema()) for t in self.tools.values()] or None)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
         for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
@@ -257,6 +264,9 @@ class Trainer:
         # split devices: the rollout ranks generate, one step ahead; the pipeline stands in for the engine here
         self.pipeline = offpolicy.Pipeline(self, bridge, self.seed_of) if offpolicy.rollout_ranks(cfg) else None
         self.rollout = self.pipeline or build_rollout(cfg, self.tokenizer, self.device)
+        self.agent = agent.AgentLoop(self.tokenizer, self.tools, multi_turn, arr.rollout.response_length,
+                                     agent.scheduling_mode(arr.rollout.mode, self.rollout.tp_size, self.rank),
+                                     self.rollout.eos_ids, arr.model.custom_chat_template) if use_agent else None
         self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
@@ -280,6 +290,8 @@ class Trainer:
         mine = rows_of_rank(batch_size_of(batch), dp_rank, dp_size)
         sync_rollout(self.actor, self.rollout)                                 # the weights move here, every call
         seed = self.seed_of(self.global_step, dp_rank, seed_purpose)
+        if self.agent is not None:          # multi-turn: whole conversations, tool tokens masked out (agent.py)
+            return {**batch, **self.generate_conversations(take(batch, mine), sampling, seed)}
         multi_modal = vision.rollout_inputs(batch, mine)            # None without images
         tokens, logprobs = self.rollout.generate([batch["raw_prompt_ids"][i] for i in mine], sampling, seed,
                                                  **({"multi_modal": multi_modal} if multi_modal else {}))
@@ -297,6 +309,17 @@ class Trainer:
     def seed_of(self, step, dp_rank, purpose):
         return sampling_seed(self.cfg.trainer.seed, step, dp_rank, purpose)
 
+    def generate_conversations(self, local, sampling, seed):
+        """This rank's share of rows as conversations -> the full batch's rollout fields on every rank."""
+        engine = agent.engine_generate(self.rollout, sampling, batched=self.cfg.actor_rollout_ref.rollout.name == "vllm")
+        conversations = self.agent.run(local, engine, seed)
+        self.rollout.sleep()
+        rows = agent.conversations_to_batch(local, conversations, sampling.max_tokens, self.tokenizer.pad_token_id,
+                                            local["extra_info"])
+        if self.cfg.actor_rollout_ref.rollout.name != "vllm":
+            del rows["rollout_log_probs"]
+        return agent.gather_rows(rows, self.world_size, self.rollout.tp_size)
+
     def score(self, batch):
         """Scores [b] of this rank's rows: the reward model's when it is enabled (verl's reward manager then uses
         the model score), else the rule (or custom) reward function's."""
@@ -306,9 +329,10 @@ class Trainer:
 
     def rule_scores(self, batch):
         """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
-        texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])],
-            skip_special_tokens=True)
+        # verl decodes every valid response token: with multi-turn, tool answers included
+        valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]
+        texts = self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(batch["responses"], valid)],
+                                            skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
                                     batch["extra_info"], batch["origin"])
@@ -348,7 +372,8 @@ class Trainer:
             # 4. rewards: the score sits on the last response token
             with timer("reward", timings):
                 scores = all_gather_rows(self.score(local), self.world_size)             # [B]
-                batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])   # [B, R]
+                valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]                 # [B, R]
+                batch["token_level_scores"] = token_level_scores(scores, valid)                   # [B, R]
 
             # 5. log-probs of the sampling policy (unless the update's own are provably equal), of the reference
             on_policy = update_is_on_policy(cfg, self.global_step)
@@ -389,7 +414,7 @@ class Trainer:
             #    models.Worker.optimize with losses.critic_loss / losses.actor_loss on every micro-batch
             if self.critic is not None:
                 with timer("update_critic", timings):
-                    metrics.update(self.critic.update(local, self.dp))
+                    metrics.update(self.critic.update(local, self.plan["critic_dp"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(local, self.dp, on_policy=on_policy))
@@ -404,6 +429,8 @@ class Trainer:
                                                           self.world_size)
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
+        if self.agent is not None:
+            metrics.update(agent.multi_turn_metrics(batch))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir and self.rank == 0:
             self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
@@ -431,9 +458,12 @@ class Trainer:
         with open(Path(folder) / f"{self.global_step}.jsonl", "w") as out:
             for i, score in enumerate(scores):
                 mask = batch["attention_mask"][i]
-                out.write(json.dumps({"input": decode(batch["prompts"][i], mask[:prompt_len]),
-                                      "output": decode(batch["responses"][i], batch["response_mask"][i]),
-                                      "score": score, "step": self.global_step}) + "\n")
+                line = {"input": decode(batch["prompts"][i], mask[:prompt_len]),
+                        "output": decode(batch["responses"][i], mask[prompt_len:]), "score": score,
+                        "step": self.global_step}
+                if "messages" in batch:          # multi-turn: the whole conversation, tool answers included
+                    line["messages"] = batch["messages"][i]
+                out.write(json.dumps(line) + "\n")
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import lora
 import losses
+import ulysses
 import vision
 from attention import attention_backend
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
@@ -164,6 +165,18 @@ def _scatter_to_responses(values, keep, shape):
     return out
 
 
+def _kept_inputs(model, batch, keep, use_remove_padding, sp_group):
+    """The model's inputs and the positions of its output whose head values are wanted (`keep` [n], flat
+    positions in [b*L]), for this rank. With sp_group (Ulysses, packed rows only; ulysses.shard_packed): this
+    rank's slice of the packed row and its kept positions in it. Also returns which of `keep` are this rank's,
+    and `gather`, which puts every rank's per-position outputs back together in keep's order."""
+    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
+    kept = keep if to_output is None else to_output[keep]
+    if sp_group is None:
+        return inputs, kept, slice(None), lambda values: values
+    return ulysses.shard_packed(inputs, kept, sp_group)
+
+
 def forward_kept(model, inputs, keep, head_fn=None):
     """Run `model` on `inputs` with its final hidden states cut to positions `keep` [n] (of its flattened
     output) before the head, so the head runs on those alone.
@@ -215,39 +228,40 @@ def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad
 
 
 def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None,
-                   entropy_grad=True):
+                   entropy_grad=True, sp_group=None):
     """Per-token log-probs of the response (and entropy) under `model`.
 
     batch: input_ids/attention_mask/position_ids [b, P+R], responses [b, R].
     Returns (log_probs [b, R], entropy [b, R] or None), fp32, zero where the response is padding. Only the
     positions that predict a response token reach the LM head. `kernels`: (logprobs_fn, entropy_fn), e.g.
-    torch.compile'd.
+    torch.compile'd. sp_group: Ulysses sequence parallel (ulysses.py); each rank runs the head on the kept
+    positions of its slice of the packed row, and the results are gathered over the group.
     """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     shape = (input_ids.shape, batch["responses"].shape[1])
     keep = response_predicting_positions(attention_mask, shape[1])        # [n] flat positions in [b*L]
     labels = input_ids.reshape(-1)[keep + 1]                              # [n] the response token each predicts
-    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
-    head_fn = logprob_head(model, labels, temperature, calc_entropy,
+    inputs, kept, mine, gather = _kept_inputs(model, batch, keep, use_remove_padding, sp_group)
+    head_fn = logprob_head(model, labels[mine], temperature, calc_entropy,
                            kernels or (logprobs_from_logits, entropy_from_logits), entropy_grad)
-    logp, entropy = forward_kept(model, inputs, keep if to_output is None else to_output[keep], head_fn)
-    return (_scatter_to_responses(logp, keep, shape),
-            _scatter_to_responses(entropy, keep, shape) if entropy is not None else None)
+    logp, entropy = forward_kept(model, inputs, kept, head_fn)
+    return (_scatter_to_responses(gather(logp), keep, shape),
+            _scatter_to_responses(gather(entropy), keep, shape) if entropy is not None else None)
 
 
-def head_outputs(model, batch, keep, use_remove_padding=True):
+def head_outputs(model, batch, keep, use_remove_padding=True, sp_group=None):
     """The one-output head of a critic or reward model (token classification, 1 label) at flat positions
-    `keep` [n] of [b*L]: [n] fp32, packed or padded like token_logprobs."""
-    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
-    return forward_kept(model, inputs, keep if to_output is None else to_output[keep])[:, 0].float()
+    `keep` [n] of [b*L]: [n] fp32, packed or padded (and sequence parallel) like token_logprobs."""
+    inputs, kept, _, gather = _kept_inputs(model, batch, keep, use_remove_padding, sp_group)
+    return gather(forward_kept(model, inputs, kept)[:, 0].float())
 
 
-def token_values(critic, batch, use_remove_padding=True):
+def token_values(critic, batch, use_remove_padding=True, sp_group=None):
     """Values [b, R] from a token-classification critic, verl's slice [:, -R-1:-1] (the value of the state
     before each response token); zero where the response is padding."""
     shape = (batch["input_ids"].shape, batch["responses"].shape[1])
     keep = response_predicting_positions(batch["attention_mask"], shape[1])
-    return _scatter_to_responses(head_outputs(critic, batch, keep, use_remove_padding), keep, shape)
+    return _scatter_to_responses(head_outputs(critic, batch, keep, use_remove_padding, sp_group), keep, shape)
 
 
 def last_token_scores(model, batch, use_remove_padding=True):
@@ -334,12 +348,23 @@ class MiniBatchPlan:
 
 class Worker:
     """An FSDP2-sharded model on this rank. `optim_cfg` makes it trainable (AdamW + verl's LR schedule);
-    without it the model is frozen in eval mode."""
+    without it the model is frozen in eval mode.
+
+    sp > 1 (Ulysses, ulysses.py; `sp_key` names its config key): each group of sp consecutive ranks works on the
+    rows all its ranks brought (`group_rows`), each rank on a slice of every packed row; token budgets scale by
+    sp and global counts are summed over the dp group (each row once). FSDP still shards over all ranks."""
 
     skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
 
-    def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1):
-        self.device, self.use_remove_padding = device, use_remove_padding
+    def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1, sp=1, sp_key=None):
+        self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
+        self.sp_group = self.dp_group = None
+        if sp > 1:
+            if vision.is_vision_language(model.config):
+                raise ConfigError(f"'{sp_key}'={sp}: Ulysses sequence parallel is built for text models; a "
+                                  f"vision-language model's image positions are not split yet: set it to 1")
+            self.sp_group, self.dp_group = ulysses.device_groups(device.type, sp)
+            ulysses.enable(model, sp, self.sp_group, sp_key)
         model.to(device)
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
         if optim_cfg is None:
@@ -355,16 +380,30 @@ class Worker:
     def to_device(self, batch):
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
+    def group_rows(self, batch):
+        """The rows this rank works on: its own, or with sp > 1 those of its whole sp group (tensors only)."""
+        return batch if self.sp_group is None else ulysses.gather_group_rows(batch, self.sp_group, self.device)
+
+    def own_rows(self, tensor):
+        """This rank's rows of a result over group_rows."""
+        return tensor if self.sp_group is None else ulysses.own_rows(tensor, self.sp_group)
+
+    def row_numbers(self, b):
+        """The numbers of this rank's b rows among the rows group_rows gives [b]."""
+        return torch.arange(b) + (0 if self.sp_group is None else dist.get_rank(self.sp_group) * b)
+
     def micro_batches(self, batch, micro_size, dynamic, max_tokens):
-        """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz)."""
+        """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz; the budget is
+        per device, so a micro-batch split over sp devices may hold sp times as many tokens, as in verl)."""
         if dynamic:
-            return dynamic_micro_batches(batch["attention_mask"].sum(-1).tolist(), max_tokens, device=self.device)
+            return dynamic_micro_batches(batch["attention_mask"].sum(-1).tolist(), max_tokens * self.sp,
+                                         device=self.device)
         return fixed_micro_batches(batch["attention_mask"].shape[0], micro_size)
 
     def global_counts(self, mini):
         """losses.agg_loss's global counts for a mini-batch: its tokens and non-empty sequences on ALL ranks."""
         tokens, seqs = losses.global_counts(mini["response_mask"])
-        tokens, seqs = all_reduce_sum([float(tokens), float(seqs)], self.device)
+        tokens, seqs = all_reduce_sum([float(tokens), float(seqs)], self.device, self.dp_group)
         return dict(global_tokens=tokens, global_seqs=seqs, norm_len=mini["responses"].shape[1])
 
     def optimize(self, batch, plan, loss_fn, prefix):
@@ -376,7 +415,10 @@ class Worker:
         backpropagated x dp (the global normalisation, explained once above losses.agg_loss). Metrics named in
         losses.LOSS_SHARES are summed over micro-batches and ranks (the mini-batch's value); the others are
         averaged. A non-finite loss or gradient norm skips the optimizer step (clip_and_step). The LR scheduler
-        steps once per call. Returns `prefix`-named metrics averaged over the optimizer steps, with grad_norm, lr."""
+        steps once per call. Returns `prefix`-named metrics averaged over the optimizer steps, with grad_norm, lr.
+        With sp > 1 the rows are the sp group's, dp is world/sp, sums run over the dp group (each row once), and
+        ulysses.GatherRows scales the gradient by sp (FSDP averages over all dp x sp ranks)."""
+        batch = self.group_rows(batch)
         size = batch_size_of(batch)
         metrics = {}
 
@@ -397,7 +439,7 @@ class Worker:
                             shares[name] = shares.get(name, 0.0) + value.item()
                         else:
                             record(name, value)
-                totals = dict(zip(shares, all_reduce_sum(list(shares.values()), self.device)))
+                totals = dict(zip(shares, all_reduce_sum(list(shares.values()), self.device, self.dp_group)))
                 for name, value in totals.items():
                     record(name, value)
                 record("grad_norm", self.clip_and_step(plan.grad_clip, loss=sum(totals.values())))
@@ -441,8 +483,10 @@ class Policy(Worker):
         if self.lora:
             model = lora.wrap(model, arr.model)
             lora.log_parameter_counts(model, arr.model)
+        role = "actor" if trainable else "ref"
         super().__init__(model, device, arr.model.use_remove_padding, arr.actor.optim if trainable else None,
-                         total_steps)
+                         total_steps, sp=arr[role].ulysses_sequence_parallel_size,
+                         sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
         self.cfg = cfg
         entropy = entropy_from_logits
         if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
@@ -453,7 +497,8 @@ class Policy(Worker):
 
     def forward(self, micro, temperature, calc_entropy=False, entropy_grad=True):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad)
+                              calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad,
+                              sp_group=self.sp_group)
 
     def adapter(self):
         """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
@@ -466,7 +511,9 @@ class Policy(Worker):
             yield lora.base_weight_name(name), tensor
 
     def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):
-        """No-grad log-probs [b, R] (and entropy [b, R]) in micro-batches; rows keep their order."""
+        """No-grad log-probs [b, R] (and entropy [b, R]) of this rank's rows in micro-batches; rows keep their
+        order."""
+        batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         logp = torch.zeros(b, response_len)
         entropy = torch.zeros(b, response_len) if calc_entropy else None
@@ -476,7 +523,7 @@ class Policy(Worker):
                 logp[index] = lp.cpu()
                 if calc_entropy:
                     entropy[index] = ent.cpu()
-        return logp, entropy
+        return self.own_rows(logp), (self.own_rows(entropy) if calc_entropy else None)
 
     def update(self, batch, dp_size, on_policy=False):
         """verl's update_policy: Worker.optimize with losses.actor_loss on each micro-batch.
@@ -487,8 +534,9 @@ class Policy(Worker):
         arr = self.cfg.actor_rollout_ref
         actor = arr.actor
         if on_policy:          # row numbers ride along with the rows, so each micro-batch knows where it writes
-            batch = {**batch, "row": torch.arange(batch_size_of(batch))}
-            self.on_policy_outputs = (torch.zeros(batch["responses"].shape), torch.zeros(batch["responses"].shape))
+            b, response_len = batch["responses"].shape
+            batch = {**batch, "row": self.row_numbers(b)}
+            self.on_policy_outputs = (torch.zeros(b * self.sp, response_len), torch.zeros(b * self.sp, response_len))
 
         def loss_fn(micro, counts):
             logp, entropy = self.forward(micro, arr.rollout.temperature,
@@ -506,6 +554,8 @@ class Policy(Worker):
                 kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode, **counts)
 
         metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
+        if on_policy:
+            self.on_policy_outputs = tuple(self.own_rows(t) for t in self.on_policy_outputs)
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = actor.kl_loss_coef
         return metrics
@@ -533,26 +583,28 @@ class Critic(Worker):
                            gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, critic.model.use_remove_padding))
         check_fits(model, tokenizer_len, "critic.model.path")
-        super().__init__(model, device, critic.model.use_remove_padding, critic.optim, total_steps)
+        super().__init__(model, device, critic.model.use_remove_padding, critic.optim, total_steps,
+                         sp=critic.ulysses_sequence_parallel_size, sp_key="critic.ulysses_sequence_parallel_size")
         self.cfg = critic
 
     def compute_values(self, batch, micro_size):
-        """No-grad values [b, R], zero outside the response mask (verl's compute_values)."""
+        """No-grad values [b, R] of this rank's rows, zero outside the response mask (verl's compute_values)."""
+        batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         values = torch.zeros(b, response_len)
         with torch.no_grad():
             for index in self.micro_batches(batch, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 values[index] = token_values(self.model, self.to_device(take(batch, index)),
-                                             self.use_remove_padding).cpu()
-        return values * batch["response_mask"]
+                                             self.use_remove_padding, self.sp_group).cpu()
+        return self.own_rows(values * batch["response_mask"])
 
     def update(self, batch, dp_size):
         """verl's update_critic: Worker.optimize with losses.critic_loss on each micro-batch."""
         critic = self.cfg
 
         def loss_fn(micro, counts):
-            vpreds = token_values(self.model, micro, self.use_remove_padding)
+            vpreds = token_values(self.model, micro, self.use_remove_padding, self.sp_group)
             return losses.critic_loss(vpreds, micro["values"], micro["returns"], micro["response_mask"],
                                       cliprange_value=critic.cliprange_value, loss_agg_mode=critic.loss_agg_mode,
                                       **counts)

@@ -150,6 +150,7 @@ SCORERS = {
     "hiyouga/geometry3k": geo3k_compute_score,
     "minirl/add": minirl_add_compute_score,
     "minirl/colour": minirl_colour_compute_score,
+    "minirl/box": minirl_add_compute_score,      # the tool demo (demo_tools.py): the same "#### N" rule
 }
 
 

@@ -232,8 +232,9 @@ class VLLMRollout:
 
     def generate(self, prompt_ids, sampling, seed, multi_modal=None):
         """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
-        seed + i, so repeats of a prompt differ and every rank of a TP group samples the same tokens. Prompts with
-        images (multi_modal, vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
+        seed + i (or seed[i] when `seed` is a list: the agent loop seeds each turn itself), so repeats of a prompt
+        differ and every rank of a TP group samples the same tokens. Prompts with images (multi_modal,
+        vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
@@ -243,7 +244,8 @@ class VLLMRollout:
         else:
             common.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
-        params = [SamplingParams(seed=seed + i, **common) for i in range(len(prompt_ids))]
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompt_ids))]
+        params = [SamplingParams(seed=s, **common) for s in seeds]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         for request, entry in zip(requests, multi_modal or []):
             if entry["images"]:

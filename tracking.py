@@ -100,7 +100,7 @@ def stats(prefix, values):
 def data_metrics(batch, response_length):
     """verl's compute_data_metrics over the whole batch (critic/score, critic/advantages, response_length, ...)."""
     mask = batch["response_mask"].bool()
-    resp_len = batch["response_mask"].sum(-1).float()
+    resp_len = batch["attention_mask"][:, -response_length:].sum(-1).float()   # multi-turn: tool tokens count too
     prompt_len = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).float()
     m = {}
     m.update(stats("critic/score", batch["token_level_scores"].sum(-1).tolist()))

@@ -54,6 +54,30 @@ def tiny_critic_dir(tiny_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fixed_batch(tiny_model_dir, tmp_path_factory):
+    """The oracle tests' batch (tests/oracle_step.py), saved to a file: 8 responses (4 prompts x n=2) with
+    left-padded prompts (P=6), right-padded responses (R=5), so packed rows of odd and even lengths, old log-probs
+    near the model's (so some ratios clip), random advantages and reference log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models import token_logprobs
+    g = torch.Generator().manual_seed(1)
+    batch = padded_batch([6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4])
+    b, R = batch["responses"].shape
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=0.9, use_remove_padding=False)
+    batch["old_log_probs"] = logp + 0.3 * torch.randn(b, R, generator=g)
+    batch["ref_log_prob"] = logp + 0.5 * torch.randn(b, R, generator=g)
+    batch["advantages"] = torch.randn(b, R, generator=g) * batch["response_mask"]
+    batch["uid"] = [str(i // 2) for i in range(b)]
+    path = tmp_path_factory.mktemp("oracle") / "batch.pt"
+    torch.save(batch, path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_vl_dir(tmp_path_factory):
     """Random-init tiny Qwen2.5-VL + its locally built processor (no warm-up)."""
     import demo_vl

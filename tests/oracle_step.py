@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node W tests/oracle_step.py BATCH.pt OUT.pt MODEL_DIR VARIANT [VARIANT ...]
 
-VARIANT is `name:key=value,key=value` (config overrides). Each variant loads the model afresh, runs
-Policy.update on this rank's contiguous share of the batch, and rank 0 saves the full gradients and the weights
-after the optimizer step under OUT.pt[name].
+VARIANT is `name:key=value,key=value` (config overrides). Each variant loads the model afresh, computes the
+log-probs and entropy of this rank's contiguous share of the batch (Policy.compute_log_prob) and runs Policy.update
+on it, and rank 0 saves the full log-probs, entropy, gradients and the weights after the optimizer step under
+OUT.pt[name].
 """
 import sys
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
+from batch_plan import batch_plan  # noqa: E402
 from config import load_config  # noqa: E402
-from batch import rows_of_rank, take  # noqa: E402
 from minirl import Policy, init_distributed, seed_everything  # noqa: E402
 
 BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
@@ -42,10 +44,16 @@ def main(batch_path, out_path, model_dir, *variants):
                           world_size=world, check_paths=False)
         seed_everything(0)
         actor = Policy(cfg, device, trainable=True)
-        metrics = actor.update(local, dp_size=world)
+        rollout, plan = cfg.actor_rollout_ref.rollout, batch_plan(cfg, world)
+        logp, entropy = actor.compute_log_prob(local, plan["old_log_prob_micro_batch"],
+                                               rollout.log_prob_use_dynamic_bsz,
+                                               rollout.log_prob_max_token_len_per_gpu, rollout.temperature,
+                                               calc_entropy=True)
+        metrics = actor.update(local, dp_size=plan["dp"])
         grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
         weights = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
-        results[name] = {"grads": grads, "weights": weights, "metrics": metrics}
+        results[name] = {"grads": grads, "weights": weights, "metrics": metrics,
+                         "log_probs": all_gather_rows(logp, world), "entropy": all_gather_rows(entropy, world)}
     if rank == 0:
         torch.save(results, out_path)
     torch.distributed.barrier()           # no rank tears gloo down while another still uses it

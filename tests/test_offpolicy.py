@@ -196,7 +196,7 @@ def test_a_good_split_plans_over_the_trainer_ranks(demo_dir):
     cfg = split_config(demo_dir, "trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2", world_size=4)
     plan = batch_plan(cfg, 4)
     assert (plan["trainer_ranks"], plan["rollout_ranks"], plan["dp"], plan["responses_per_rank"]) == (2, 2, 2, 4)
-    assert "ranks 0..1 train (data-parallel 2), ranks 2..3 generate" in format_plan(plan)
+    assert "ranks 0..1 train (data-parallel 2 x sequence-parallel 1), ranks 2..3 generate" in format_plan(plan)
 
 
 def test_print_config_shows_the_split(demo_dir):
@@ -208,4 +208,4 @@ def test_print_config_shows_the_split(demo_dir):
                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "rollout.n_gpus_per_node=1"],
                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ranks 0..1 train (data-parallel 2), ranks 2..2 generate" in out.stdout
+    assert "ranks 0..1 train (data-parallel 2 x sequence-parallel 1), ranks 2..2 generate" in out.stdout

@@ -143,26 +143,6 @@ def test_bad_input_is_a_clear_error_before_training(demo_dir, tmp_path, override
 # The oracle promise: one update on a fixed batch
 
 
-@pytest.fixture(scope="module")
-def fixed_batch(tiny_model_dir, tmp_path_factory):
-    """8 responses (4 prompts x n=2) with left-padded prompts (P=6), right-padded responses (R=5), old log-probs
-    near the model's (so some ratios clip), random advantages and reference log-probs."""
-    g = torch.Generator().manual_seed(1)
-    batch = padded_batch([6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4])
-    b, R = batch["responses"].shape
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    from models import token_logprobs
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, batch, temperature=0.9, use_remove_padding=False)
-    batch["old_log_probs"] = logp + 0.3 * torch.randn(b, R, generator=g)
-    batch["ref_log_prob"] = logp + 0.5 * torch.randn(b, R, generator=g)
-    batch["advantages"] = torch.randn(b, R, generator=g) * batch["response_mask"]
-    batch["uid"] = [str(i // 2) for i in range(b)]
-    path = tmp_path_factory.mktemp("oracle") / "batch.pt"
-    torch.save(batch, path)
-    return path
-
-
 VARIANTS = {
     "base": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8,actor_rollout_ref.model.use_remove_padding=true",
     "micro1": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",

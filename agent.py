@@ -1,0 +1,403 @@
+"""The multi-turn agent loop: the model talks, calls tools, reads their answers and talks again; only the tokens it
+wrote are trained (verl's ToolAgentLoop, experimental/agent_loop/tool_agent_loop.py, v0.5.0).
+
+One conversation, start to end (`AgentLoop.converse`):
+    1. create an instance of every tool (create_kwargs from the row's extra_info.tools_kwargs)
+    2. generate an assistant turn with what is left of the response budget     -> response_mask 1
+    3. stop at the budget (response_length for the whole conversation), max_assistant_turns, max_user_turns,
+       or when the turn holds no <tool_call>
+    4. run its calls (the first max_parallel_calls, concurrently), truncate each answer to
+       max_tool_response_length characters, template the tool messages                 -> response_mask 0
+       (stop instead if they would leave no room for another assistant token); tool turns count as user turns
+    5. back to 2; at the end calc_reward and release every tool instance
+The sequence trained is prompt + exactly the sampled tokens + the template's tokens between turns, so nothing is
+re-tokenised; `tokenization_sanity_check_mode` compares it with a full re-templating of the messages.
+
+Failures are data: a call with malformed JSON, an unknown tool, a tool that raises or runs past its timeout gets
+an "Error: ..." answer, is counted (tool_calls/errors), and the conversation goes on.
+
+Scheduling (rollout.mode):
+    sync   turn-synchronous: every live conversation generates its turn in one engine call, then all their tools
+           run (concurrently); the next turn waits for the slowest tool.
+    async  every conversation is its own asyncio task; the engine runs (in a worker thread) for whichever
+           conversations are waiting for a turn, while the others wait on their tools.
+Each turn is sampled with its own seed (run seed, conversation, turn), and the hf engine generates one request at
+a time, so sync and async give the same tokens; vLLM also seeds per request (same tokens where its batched
+kernels are batch-invariant).
+
+Left out: interactions (user simulators), multimodal tool answers, tool parsers other than hermes.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from batch import gather_tp_groups
+from tools import parse_hermes, truncate_tool_text
+
+MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
+
+
+@dataclass
+class Request:
+    """One assistant turn to generate: the conversation so far, its token budget, its seed."""
+    ids: list
+    max_tokens: int
+    seed: int
+
+
+@dataclass
+class Conversation:
+    prompt_ids: list                     # the templated prompt (with the tool schemas), as the dataset made it
+    messages: list                       # the chat so far: prompt messages, then assistant and tool messages
+    tools_kwargs: dict
+    index: int = 0
+    prompt_messages: int = 0             # how many of `messages` are the prompt's
+    response_ids: list = field(default_factory=list)    # everything after the prompt: model and template tokens
+    mask: list = field(default_factory=list)            # 1 where the model wrote the token, 0 for tool/template
+    logprobs: list = field(default_factory=list)        # the engine's log-probs of model tokens (0.0 elsewhere)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    instances: dict = field(default_factory=dict)       # tool name -> instance id
+    reward_scores: dict = field(default_factory=dict)   # tool name -> calc_reward
+    tokenization_mismatch: bool = False
+    done: bool = False
+
+    @property
+    def num_turns(self):
+        """verl's count: user + assistant turns + 1 (the prompt)."""
+        return self.user_turns + self.assistant_turns + 1
+
+
+class AgentLoop:
+    """Runs conversations for a batch of rows. `tools`: {name: tool} (tools.load_tools); `multi_turn`:
+    actor_rollout_ref.rollout.multi_turn; `response_length`: the budget of every whole conversation."""
+
+    def __init__(self, tokenizer, tools, multi_turn, response_length, mode="sync", eos_ids=(), chat_template=None):
+        self.tokenizer, self.tools, self.response_length, self.mode = tokenizer, tools, response_length, mode
+        self.cfg = multi_turn
+        self.eos_ids = set(eos_ids) or {tokenizer.eos_token_id}
+        self.chat_template = chat_template
+        self.schemas = [dict(tool.get_openai_tool_schema()) for tool in tools.values()] or None
+        self.base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": MARK}]
+        self.base_text = self.render(self.base)
+        # what the template writes after an assistant message's content (e.g. '<|im_end|>\n')
+        self.closing = self.base_text[self.base_text.rindex(MARK) + len(MARK):]
+        self.warned = False
+
+    def render(self, messages, add_generation_prompt=False):
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, chat_template=self.chat_template,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- running a batch ------------------------------------------------------------------------------------
+    def run(self, batch, generate, seed):
+        """batch: columns raw_prompt_ids, raw_prompt (the messages) and extra_info (for tools_kwargs), one entry
+        per conversation. generate: a blocking function from a list of Requests to [(tokens, logprobs or None)]
+        (see engine_generate). Returns one Conversation per row."""
+        infos = batch.get("extra_info") or [None] * len(batch["raw_prompt_ids"])
+        conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info), index=i,
+                                      prompt_messages=len(messages))
+                         for i, (ids, messages, info) in enumerate(zip(batch["raw_prompt_ids"], batch["raw_prompt"],
+                                                                       infos))]
+        return asyncio.run(self._run(conversations, generate, seed))
+
+    async def _run(self, conversations, generate, seed):
+        await asyncio.gather(*(self.open_tools(c) for c in conversations))
+        if self.mode == "async":
+            scheduler = Scheduler(generate)
+            await asyncio.gather(*(self.converse(c, scheduler.generate, seed) for c in conversations))
+        else:
+            live = conversations
+            while live:
+                outputs = await asyncio.to_thread(generate, [self.request(c, seed) for c in live])
+                await asyncio.gather(*(self.take_turn(c, *out) for c, out in zip(live, outputs)))
+                live = [c for c in live if not c.done]
+        await asyncio.gather(*(self.close_tools(c) for c in conversations))
+        for conversation in conversations:
+            self.check_tokenization(conversation)
+        return conversations
+
+    async def converse(self, conversation, generate_one, seed):
+        """Async mode: this conversation's turns, one after another, independent of the others."""
+        while not conversation.done:
+            tokens, logprobs = await generate_one(self.request(conversation, seed))
+            await self.take_turn(conversation, tokens, logprobs)
+
+    def request(self, conversation, seed):
+        turn_seed = (seed * 1_000_003 + conversation.index * 1009 + conversation.assistant_turns) % 2**31
+        return Request(conversation.prompt_ids + conversation.response_ids,
+                       self.response_length - len(conversation.mask), turn_seed)
+
+    # -- one turn -------------------------------------------------------------------------------------------
+    async def take_turn(self, conversation, tokens, logprobs):
+        """Append the sampled assistant turn, then either stop or run its tool calls and append their answers."""
+        c, cfg = conversation, self.cfg
+        c.response_ids += tokens
+        c.mask += [1] * len(tokens)
+        c.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        c.assistant_turns += 1
+        ended = bool(tokens) and tokens[-1] in self.eos_ids
+        content = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+        c.messages.append({"role": "assistant", "content": content})
+        if (len(c.mask) >= self.response_length
+                or (cfg.max_assistant_turns and c.assistant_turns >= cfg.max_assistant_turns)
+                or (cfg.max_user_turns and c.user_turns >= cfg.max_user_turns)):
+            c.done = True
+            return
+        calls = parse_hermes(content)
+        if not calls:
+            c.done = True
+            return
+        answers = await asyncio.gather(*(self.call_tool(c, call) for call in calls[:cfg.max_parallel_calls]))
+        tool_messages = [{"role": "tool", "content": truncate_tool_text(
+            answer, cfg.max_tool_response_length, cfg.tool_response_truncate_side)} for answer in answers]
+        ids = self.tool_turn_ids(tool_messages, tokens[-1] if ended else None)
+        # the conversation must end on a model token (its reward sits there), so leave room for one more
+        if len(c.mask) + len(ids) >= self.response_length:
+            c.done = True
+            return
+        c.response_ids += ids
+        c.mask += [0] * len(ids)
+        c.logprobs += [0.0] * len(ids)
+        c.messages += tool_messages
+        c.user_turns += 1
+
+    def tool_turn_ids(self, tool_messages, eos_token):
+        """The template's tokens between the model's last token and its next turn: the rest of the assistant
+        message's closing (what follows the eos the model sampled), the tool messages, the generation prompt.
+        Measured as the difference of two renderings of a stand-in conversation, so any template works as long
+        as appending messages only appends text."""
+        full = self.render(self.base + tool_messages, add_generation_prompt=True)
+        if not full.startswith(self.base_text):
+            raise ValueError("the chat template renders a conversation differently once tool messages follow it; "
+                             "multi-turn rollouts need a template that only appends (set "
+                             "actor_rollout_ref.model.custom_chat_template)")
+        closing = self.closing
+        if eos_token is not None:
+            eos_text = self.tokenizer.decode([eos_token], skip_special_tokens=False)
+            closing = closing[len(eos_text):] if closing.startswith(eos_text) else closing
+        return self.encode(closing + full[len(self.base_text):])
+
+    # -- tools ----------------------------------------------------------------------------------------------
+    async def open_tools(self, c):
+        for name, tool in self.tools.items():
+            try:
+                c.instances[name] = await asyncio.wait_for(tool.create(**_kwargs(c, name, "create")), tool.timeout)
+            except Exception as err:          # the tool answers every call with the error instead
+                c.tool_errors += 1
+                c.instances[name] = err
+
+    async def call_tool(self, c, call):
+        """The answer text of one call; every failure becomes an 'Error: ...' answer and is counted."""
+        c.tool_calls += 1
+        tool = self.tools.get(call.name)
+        if call.error is None and tool is None:
+            call.error = f"Error: unknown tool {call.name!r}; available tools: {', '.join(self.tools) or 'none'}"
+        elif call.error is None and isinstance(c.instances.get(call.name), Exception):
+            call.error = f"Error: tool {call.name!r} could not be created: {c.instances[call.name]!r}"
+        if call.error is not None:
+            c.tool_errors += 1
+            return call.error
+        try:
+            result = await asyncio.wait_for(
+                tool.execute(c.instances[call.name], call.arguments, **_kwargs(c, call.name, "execute")),
+                tool.timeout)
+            return str(result[0])
+        except asyncio.TimeoutError:
+            c.tool_errors += 1
+            return f"Error: tool {call.name!r} did not answer within {tool.timeout:g} s"
+        except Exception as err:
+            c.tool_errors += 1
+            return f"Error: tool {call.name!r} failed: {type(err).__name__}: {err}"
+
+    async def close_tools(self, c):
+        """calc_reward then release every instance (verl's order); failures count as errors, reward 0."""
+        for name, instance in c.instances.items():
+            if isinstance(instance, Exception):
+                continue
+            tool = self.tools[name]
+            try:
+                c.reward_scores[name] = float(await asyncio.wait_for(
+                    tool.calc_reward(instance, **_kwargs(c, name, "calc_reward")), tool.timeout))
+            except Exception:
+                c.tool_errors += 1
+                c.reward_scores[name] = 0.0
+            try:
+                await asyncio.wait_for(tool.release(instance, **_kwargs(c, name, "release")), tool.timeout)
+            except Exception:
+                c.tool_errors += 1
+
+    # -- tokenization check ---------------------------------------------------------------------------------
+    def check_tokenization(self, c):
+        """verl's tokenization_sanity_check_mode: the trained ids against a full re-templating of the messages
+        (strict: token for token; ignore_strippable: the texts, whitespace ignored; disable). A mismatch (a
+        sampled token sequence that re-tokenises differently, a template that rewrites earlier turns) is
+        warned about once and counted; the sampled ids are trained either way."""
+        mode = self.cfg.tokenization_sanity_check_mode
+        prompt = self.render(c.messages[:c.prompt_messages], add_generation_prompt=True)
+        if mode == "disable" or c.prompt_ids != self.encode(prompt):
+            return                              # (a prompt cut by data.truncation cannot match)
+        got = c.prompt_ids + c.response_ids
+        expected = self.encode(self.render(c.messages))
+        if mode == "strict":
+            ok = expected[:len(got)] == got
+        else:
+            squash = lambda ids: "".join(self.tokenizer.decode(ids, skip_special_tokens=False).split())  # noqa: E731
+            ok = squash(expected).startswith(squash(got))
+        if not ok:
+            c.tokenization_mismatch = True
+            if not self.warned:
+                self.warned = True
+                warnings.warn("multi-turn tokenization: the trained token ids differ from a re-templating of the "
+                              "conversation (counted in multi_turn/tokenization_mismatch); the sampled ids are "
+                              "trained as they are", stacklevel=2)
+
+
+def scheduling_mode(mode, tp_size, rank=0):
+    """rollout.mode, except that vLLM tensor parallelism runs async as sync: the ranks of a TP group must send the
+    same requests in the same order, which timing-driven scheduling cannot promise (the conversations are the same
+    either way; only the overlap of tools and generation is lost)."""
+    if mode == "async" and tp_size > 1:
+        if rank == 0:
+            warnings.warn(f"rollout.mode=async with tensor_model_parallel_size={tp_size}: conversations are scheduled "
+                          f"turn-synchronously (same results, no overlap of tools and generation)", stacklevel=2)
+        return "sync"
+    return mode
+
+
+def _tools_kwargs(extra_info):
+    return dict((extra_info or {}).get("tools_kwargs") or {})
+
+
+def _kwargs(c, name, method):
+    """tools_kwargs[name][<method>_kwargs], without the None entries a parquet struct adds for absent keys."""
+    kwargs = (c.tools_kwargs.get(name) or {}).get(f"{method}_kwargs") or {}
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+class Scheduler:
+    """Async mode's engine feeder: conversations submit requests whenever they are ready; while the engine is
+    busy (in a worker thread, so tools keep running) new requests queue, and the next engine call takes all of
+    them."""
+
+    def __init__(self, generate):
+        self.generate_batch, self.pending, self.busy = generate, [], False
+
+    async def generate(self, request):
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((request, future))
+        self._start()
+        return await future
+
+    def _start(self):
+        if not self.busy and self.pending:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self):
+        batch, self.pending = self.pending, []     # taken when the task runs: every request queued by then
+        try:
+            outputs = await asyncio.to_thread(self.generate_batch, [request for request, _ in batch])
+            for (_, future), output in zip(batch, outputs):
+                future.set_result(output)
+        except Exception as err:
+            for _, future in batch:
+                future.set_exception(err)
+        finally:
+            self.busy = False
+            self._start()
+
+
+def engine_generate(engine, sampling, batched):
+    """A blocking Request-list -> [(tokens, logprobs)] function over a rollout engine (rollout.py).
+    batched=False (hf): one request per engine call with its own seed, so its tokens depend on nothing else.
+    batched=True (vllm): one call for all, a seed per request, max_tokens the largest budget; each response is
+    then cut to its own budget (a prefix of what was sampled)."""
+    def generate(requests):
+        if batched:
+            wanted = dataclasses.replace(sampling, max_tokens=max(r.max_tokens for r in requests))
+            tokens, logprobs = engine.generate([r.ids for r in requests], wanted, [r.seed for r in requests])
+        else:
+            outputs = [engine.generate([r.ids], dataclasses.replace(sampling, max_tokens=r.max_tokens), r.seed)
+                       for r in requests]
+            tokens = [out[0][0] for out in outputs]
+            logprobs = [out[1][0] if out[1] is not None else None for out in outputs]
+        if logprobs is None:
+            logprobs = [None] * len(tokens)
+        return [(list(t[:r.max_tokens]), None if lp is None else list(lp[:r.max_tokens]))
+                for r, t, lp in zip(requests, tokens, logprobs)]
+    return generate
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversations -> the rollout batch (the same layout as a single-turn rollout)
+
+
+def conversations_to_batch(prompts, conversations, response_length, pad_id, extra_info):
+    """prompts: the rows' input_ids/attention_mask/position_ids [b, P]. Returns responses [b, R], response_mask
+    [b, R] (1 on model tokens only), attention_mask/position_ids/input_ids [b, P+R] (tool tokens attended),
+    rollout_log_probs [b, R], and per-row lists: num_turns, tool_calls, tool_errors, tokenization_mismatch,
+    messages, and extra_info with num_turns and rollout_reward_scores added (what verl's reward manager passes
+    to the reward function)."""
+    b = len(conversations)
+    responses = torch.full((b, response_length), pad_id, dtype=torch.long)              # [b, R]
+    response_mask = torch.zeros((b, response_length), dtype=torch.long)                 # [b, R]
+    attended = torch.zeros((b, response_length), dtype=torch.long)                      # [b, R]
+    logprobs = torch.zeros((b, response_length), dtype=torch.float32)                   # [b, R]
+    for i, c in enumerate(conversations):
+        n = min(len(c.response_ids), response_length)
+        responses[i, :n] = torch.tensor(c.response_ids[:n], dtype=torch.long)
+        response_mask[i, :n] = torch.tensor(c.mask[:n], dtype=torch.long)
+        attended[i, :n] = 1
+        logprobs[i, :n] = torch.tensor(c.logprobs[:n], dtype=torch.float32)
+    response_pos = prompts["position_ids"][:, -1:] + torch.arange(1, response_length + 1).unsqueeze(0)   # [b, R]
+    return {
+        "prompts": prompts["input_ids"], "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts["input_ids"], responses], dim=1),
+        "attention_mask": torch.cat([prompts["attention_mask"], attended], dim=1),
+        "position_ids": torch.cat([prompts["position_ids"], response_pos], dim=1),
+        "rollout_log_probs": logprobs,
+        "num_turns": [c.num_turns for c in conversations],
+        "tool_calls": [c.tool_calls for c in conversations],
+        "tool_errors": [c.tool_errors for c in conversations],
+        "tokenization_mismatch": [c.tokenization_mismatch for c in conversations],
+        "messages": [c.messages for c in conversations],
+        "extra_info": [{**(info or {}), "num_turns": c.num_turns, "rollout_reward_scores": dict(c.reward_scores)}
+                       for info, c in zip(extra_info, conversations)],
+    }
+
+
+def gather_rows(local, world_size, tp_size):
+    """Every rank's rows (tensors and python lists), one copy per TP group, in group order. A collective."""
+    if world_size == 1:
+        return local
+    out = {}
+    for key, value in local.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = gather_tp_groups(value, world_size, tp_size)
+        else:
+            parts = [None] * world_size
+            dist.all_gather_object(parts, value)
+            out[key] = [row for part in parts[::tp_size] for row in part]
+    return out
+
+
+def multi_turn_metrics(batch):
+    """num_turns/{min,max,mean} (verl's names) and tool-call counts over the whole batch."""
+    turns = np.asarray(batch["num_turns"], dtype=np.float64)
+    calls, errors = sum(batch["tool_calls"]), sum(batch["tool_errors"])
+    return {"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
+            "num_turns/mean": float(turns.mean()), "tool_calls/total": float(calls),
+            "tool_calls/per_conversation": calls / len(turns), "tool_calls/errors": float(errors),
+            "multi_turn/tokenization_mismatch": float(np.mean(batch["tokenization_mismatch"]))}

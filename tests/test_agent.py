@@ -1,0 +1,361 @@
+"""The multi-turn agent loop (agent.py) and tools (tools.py) with a scripted engine: the expected token ids and
+masks are written out by hand from the chat template's text, independently of the loop's templating."""
+import asyncio
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import agent
+import tools
+from config import Config, ConfigError, _defaults
+from demo_tools import TOOL_CHAT_TEMPLATE
+from rollout import Sampling
+from tool_fixtures import schema, write_tool_yaml
+
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def fixture_tools(tmp_path_factory):
+    path = write_tool_yaml(tmp_path_factory.mktemp("tools") / "tools.yaml", sleepy=0.2)
+    return tools.load_tools(path)
+
+
+def multi_turn(**overrides):
+    cfg = Config.wrap(_defaults()["actor_rollout_ref"]["rollout"]["multi_turn"])
+    cfg.update({"enable": True, "max_parallel_calls": 4, **overrides})
+    return cfg
+
+
+def call(name, **arguments):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers each request with script[question][turn] + eos (cut to max_tokens), where turn counts the
+    assistant turns already in the request. Records every call's request sizes."""
+
+    def __init__(self, tokenizer, script):
+        self.tok, self.script, self.calls = tokenizer, script, []
+
+    def generate(self, prompt_ids, sampling, seed):
+        self.calls.append(len(prompt_ids))
+        out = []
+        for ids in prompt_ids:
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            question = next(q for q in self.script if q in text)
+            turn = text.count("<|im_start|>assistant") - 1
+            reply = self.script[question][min(turn, len(self.script[question]) - 1)]
+            tokens = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append(tokens[:sampling.max_tokens])
+        return out, None
+
+
+def run_loop(tok, tool_map, script, mode="sync", response_length=2048, seed=0, **mt):
+    loop = agent.AgentLoop(tok, tool_map, multi_turn(**mt), response_length, mode=mode,
+                           eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE)
+    schemas = [dict(t.get_openai_tool_schema()) for t in tool_map.values()]
+    rows = {"raw_prompt_ids": [], "raw_prompt": [], "extra_info": []}
+    for question in script:
+        messages = [{"role": "user", "content": question}]
+        text = tok.apply_chat_template(messages, tools=schemas, chat_template=TOOL_CHAT_TEMPLATE,
+                                       add_generation_prompt=True, tokenize=False)
+        rows["raw_prompt_ids"].append(tok.encode(text, add_special_tokens=False))
+        rows["raw_prompt"].append(messages)
+        rows["extra_info"].append({})
+    engine = ScriptedEngine(tok, script)
+    sampling = Sampling(max_tokens=response_length)
+    return loop.run(rows, agent.engine_generate(engine, sampling, batched=True), seed), engine
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def test_two_turn_conversation_token_ids_and_mask_exactly(tok, fixture_tools):
+    """prompt -> call add(2, 3) -> tool answers 5 -> '#### 5'. Model tokens (each turn's text + eos) mask 1; the
+    template's tokens between turns (newline after <|im_end|>, the tool turn, the generation prompt) mask 0."""
+    first, final = call("add", a=2, b=3), "#### 5"
+    (conv,), _ = run_loop(tok, {"add": fixture_tools["add"]}, {"What is 2+3?": [first, final]})
+    prompt = ("<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    between = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert conv.prompt_ids == ids(tok, prompt)
+    turn1, turn2, tool_turn = ids(tok, first + EOS), ids(tok, final + EOS), ids(tok, between)
+    assert conv.response_ids == turn1 + tool_turn + turn2
+    assert conv.mask == [1] * len(turn1) + [0] * len(tool_turn) + [1] * len(turn2)
+    assert (conv.assistant_turns, conv.user_turns, conv.num_turns) == (2, 1, 4)
+    assert conv.messages[-2:] == [{"role": "tool", "content": "5"}, {"role": "assistant", "content": final}]
+    assert not conv.tokenization_mismatch and (conv.tool_calls, conv.tool_errors) == (1, 0)
+
+
+def test_batch_layout_attends_tool_tokens_but_masks_them(tok, fixture_tools):
+    first, final, R = call("add", a=1, b=1), "#### 2", 128
+    convs, _ = run_loop(tok, {"add": fixture_tools["add"]}, {"What is 1+1?": [first, final]}, response_length=R)
+    p = len(convs[0].prompt_ids)
+    prompts = {"input_ids": torch.tensor([[0, 0] + convs[0].prompt_ids]),
+               "attention_mask": torch.tensor([[0, 0] + [1] * p]),
+               "position_ids": torch.tensor([[0, 0] + list(range(p))])}
+    batch = agent.conversations_to_batch(prompts, convs, R, tok.pad_token_id, [{"index": 7}])
+    n = len(convs[0].response_ids)
+    assert convs[0].user_turns == 1
+    assert batch["responses"][0, :n].tolist() == convs[0].response_ids
+    assert batch["attention_mask"][0, -R:].tolist() == [1] * n + [0] * (R - n)
+    assert batch["response_mask"][0].tolist() == convs[0].mask + [0] * (R - n)
+    assert batch["position_ids"][0, -R:].tolist() == list(range(p, p + R))
+    assert batch["extra_info"] == [{"index": 7, "num_turns": 4, "rollout_reward_scores": {"add": 0.0}}]
+
+
+def test_failures_become_error_answers_and_are_counted(tok, fixture_tools):
+    """Malformed JSON, an unknown tool, a raising tool, a tool past its timeout (0.2 s; it sleeps 5 s): each gets
+    an 'Error: ...' answer, counted; the conversation goes on to its final answer."""
+    calls = ("<tool_call>{not json}</tool_call>" + call("nosuch") + call("boom") + call("sleepy", delay=5)
+             + call("add", a=2, b=2))
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [calls, "#### 4"]}, max_parallel_calls=5)
+    answers = [m["content"] for m in conv.messages if m["role"] == "tool"]
+    assert answers[0].startswith("Error: the tool call is not valid JSON")
+    assert answers[1].startswith("Error: unknown tool 'nosuch'")
+    assert answers[2] == "Error: tool 'boom' failed: RuntimeError: the tool broke"
+    assert answers[3] == "Error: tool 'sleepy' did not answer within 0.2 s"
+    assert answers[4] == "4"
+    assert (conv.tool_calls, conv.tool_errors) == (5, 4)
+    assert conv.messages[-1]["content"] == "#### 4"
+
+
+def test_max_parallel_calls_runs_only_the_first_calls(tok, fixture_tools):
+    three = call("add", a=1, b=1) + call("add", a=2, b=2) + call("add", a=3, b=3)
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [three, "done"]}, max_parallel_calls=2)
+    assert [m["content"] for m in conv.messages if m["role"] == "tool"] == ["2", "4"]
+
+
+@pytest.mark.parametrize("side, expected", [("left", "aaaaa...(truncated)"), ("right", "(truncated)...56789"),
+                                            ("middle", "aa...(truncated)...89")])
+def test_tool_answer_truncation_sides(tok, fixture_tools, side, expected):
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [call("echo", n=20), "done"]}, max_tool_response_length=5,
+                          tool_response_truncate_side=side)
+    assert conv.messages[2] == {"role": "tool", "content": expected}
+    assert tools.truncate_tool_text("short", 5, side) == "short"
+
+
+@pytest.mark.parametrize("limits, turns", [({"max_assistant_turns": 2}, (2, 1)), ({"max_user_turns": 3}, (4, 3)),
+                                           ({"max_assistant_turns": 1}, (1, 0))])
+def test_turn_limits(tok, fixture_tools, limits, turns):
+    """A model that always calls a tool stops at max_assistant_turns, or after max_user_turns tool turns (verl:
+    checked after each generation, tool turns counting as user turns)."""
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [call("add", a=1, b=2)]}, **limits)
+    assert (conv.assistant_turns, conv.user_turns) == turns
+    assert conv.messages[-1]["role"] == "assistant" and conv.mask[-1] == 1
+
+
+def test_budget_cuts_an_overlong_answer_and_never_ends_on_a_tool_turn(tok, fixture_tools):
+    """The budget covers the whole conversation: an overlong second answer is cut at response_length; and a tool
+    turn that would leave no room for another model token is not appended (the conversation ends instead)."""
+    first = call("add", a=1, b=2)
+    turn1 = ids(tok, first + EOS)
+    tool_turn = ids(tok, "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    budget = len(turn1) + len(tool_turn) + 10
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [first, "x" * 400]}, response_length=budget)
+    assert conv.response_ids == turn1 + tool_turn + ids(tok, "x" * 400)[:10]
+    assert conv.mask == [1] * len(turn1) + [0] * len(tool_turn) + [1] * 10 and conv.assistant_turns == 2
+    tight = len(turn1) + len(tool_turn)          # the tool turn would fill the budget exactly
+    (conv,), _ = run_loop(tok, fixture_tools, {"Q?": [first, "#### 3"]}, response_length=tight)
+    assert conv.response_ids == turn1 and conv.mask == [1] * len(turn1) and conv.user_turns == 0
+
+
+def test_async_scheduler_lets_fast_conversations_overtake_slow_tools(tok, fixture_tools):
+    """Two conversations: one waits 0.3 s on its tool, the other's tools are instant. Async: the fast one's later
+    turns are generated while the slow tool runs (more, smaller engine calls); the tokens are the same as sync."""
+    script = {"slow?": [call("sleepy", delay=0.3), "#### 1"],
+              "fast?": [call("add", a=1, b=1), call("add", a=2, b=2), "#### 4"]}
+    slow_tools = dict(fixture_tools)
+    slow_tools["sleepy"].timeout = 5.0
+    sync, sync_engine = run_loop(tok, slow_tools, script, mode="sync")
+    asyn, async_engine = run_loop(tok, slow_tools, script, mode="async")
+    assert [c.response_ids for c in sync] == [c.response_ids for c in asyn]
+    assert sync_engine.calls == [2, 2, 1]            # turn-synchronous: the fast one's 3rd turn waits for round 3
+    assert async_engine.calls[:1] == [2] and sorted(async_engine.calls[1:]) == [1, 1, 1]
+    slow_tools["sleepy"].timeout = 0.2
+
+
+def test_hermes_parsing():
+    parsed = tools.parse_hermes('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b '
+                                '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+                                '<tool_call>{"name": 3}</tool_call>')
+    assert [(c.name, c.arguments, c.error) for c in parsed[:2]] == [("f", {"x": 1}, None), ("g", {"y": 2}, None)]
+    assert parsed[2].error.startswith("Error: a tool call must be")
+    assert tools.parse_hermes("no calls here") == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl's gsm8k example: tool yaml and data.py gsm8k --multiturn
+
+
+VERL_GSM8K_TOOL_YAML = """
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+"""
+
+
+def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
+    import data
+    (tmp_path / "in").mkdir()
+    example = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"}
+    for split in ("train", "test"):
+        (tmp_path / "in" / f"{split}.jsonl").write_text(json.dumps(example) + "\n")
+    data.main(["gsm8k", "--multiturn", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    (tmp_path / "tools.yaml").write_text(VERL_GSM8K_TOOL_YAML)
+    tool_map = tools.load_tools(tmp_path / "tools.yaml")
+    assert type(tool_map["calc_gsm8k_reward"]) is tools.Gsm8kTool
+    dataset = data.RLHFDataset(tmp_path / "out" / "train.parquet", tok, max_prompt_length=1024, return_raw_chat=True,
+                               chat_template=TOOL_CHAT_TEMPLATE,
+                               tools=[dict(t.get_openai_tool_schema()) for t in tool_map.values()])
+    row = dataset[0]
+    assert row["raw_prompt"][0]["role"] == "system" and "calc_gsm8k_reward" in row["raw_prompt"][0]["content"]
+    assert row["raw_prompt"][1]["content"].endswith("after `####`.")
+    assert row["extra_info"]["need_tools_kwargs"] is True
+    assert row["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"] == {"ground_truth": "7"}
+    assert row["extra_info"]["interaction_kwargs"]["ground_truth"] == "7"
+    script = {"How many?": [call("calc_gsm8k_reward", answer="6"), call("calc_gsm8k_reward", answer="7"),
+                            "#### 7"]}
+    loop = agent.AgentLoop(tok, tool_map, multi_turn(), 512, eos_ids=[tok.eos_token_id],
+                           chat_template=TOOL_CHAT_TEMPLATE)
+    engine = ScriptedEngine(tok, script)
+    generate = agent.engine_generate(engine, Sampling(max_tokens=512), batched=False)
+    (conv,) = loop.run(data.collate([row]), generate, seed=0)
+    answers = [m["content"] for m in conv.messages if m["role"] == "tool"]
+    assert answers == ["Current parsed answer='6' reward=0.0", "Current parsed answer='7' reward=1.0"]
+    assert conv.reward_scores == {"calc_gsm8k_reward": 1.0} and conv.num_turns == 6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tool yaml errors: clear, before any model loads
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"class_name": "no_such_module.Tool", "tool_schema": schema("t")}, "cannot import 'no_such_module'"),
+    ({"class_name": "tools.NoSuchTool", "tool_schema": schema("t")}, "has no class 'NoSuchTool'"),
+    ({"class_name": "tools.ToolCall", "tool_schema": schema("t")}, "has no async 'create'"),
+    ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {}}}, "needs function.name"),
+    ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {}, "required": ["x"]}}}}, "required parameters ['x']"),
+    ({"tool_schema": schema("t")}, "needs 'class_name'"),
+    ({"class_name": "tools.BaseTool", "config": {"timeout": -1}, "tool_schema": schema("t")}, "config.timeout"),
+])
+def test_invalid_tool_yaml_is_a_clear_error(tmp_path, entry, message):
+    import yaml
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump({"tools": [entry]}))
+    with pytest.raises(ConfigError, match="tools\\[0\\]") as err:
+        tools.load_tools(path)
+    assert message in str(err.value)
+    path.write_text("tools: [\n")
+    with pytest.raises(ConfigError, match="not valid yaml"):
+        tools.load_tools(path)
+
+
+def test_scheduler_propagates_engine_errors():
+    def broken(requests):
+        raise RuntimeError("engine down")
+
+    async def go():
+        return await agent.Scheduler(broken).generate(agent.Request([1], 1, 0))
+    with pytest.raises(RuntimeError, match="engine down"):
+        asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tool tokens never get gradient
+
+
+def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
+    """On a real multi-turn batch: the actor's objective (losses.actor_loss: dual-clip PG + k3 KL + entropy,
+    token-mean over the response mask) gives bit-identical parameter gradients when the log-probs, old/ref
+    log-probs and advantages of tool tokens are perturbed; and GAE's advantages on model tokens ignore values and
+    rewards on tool tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import losses
+    import models
+    script = {"Q1?": [call("add", a=1, b=2), "#### 3"], "Q2?": [call("echo", n=3), call("add", a=2, b=2), "ok"]}
+    convs, _ = run_loop(tok, fixture_tools, script, response_length=256)
+    width = max(len(c.prompt_ids) for c in convs)
+    prompt_ids = torch.tensor([[tok.pad_token_id] * (width - len(c.prompt_ids)) + c.prompt_ids for c in convs])
+    prompt_mask = torch.tensor([[0] * (width - len(c.prompt_ids)) + [1] * len(c.prompt_ids) for c in convs])
+    prompts = {"input_ids": prompt_ids, "attention_mask": prompt_mask,
+               "position_ids": torch.clamp(prompt_mask.cumsum(-1) - 1, min=0)}
+    batch = agent.conversations_to_batch(prompts, convs, 256, tok.pad_token_id, [{}, {}])
+    mask = batch["response_mask"].float()                                                    # [B, R]
+    tool = batch["attention_mask"][:, width:].bool() & ~batch["response_mask"].bool()       # tool/template tokens
+    assert tool.sum() > 20 and mask.sum() > 20
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda: torch.randn(mask.shape, generator=gen) * tool                            # noqa: E731
+    old = -torch.rand(mask.shape, generator=gen)
+    ref = -torch.rand(mask.shape, generator=gen)
+    adv = torch.randn(mask.shape, generator=gen)
+
+    def grads(logp_shift, old, ref, adv):
+        model.zero_grad()
+        logp, entropy = models.token_logprobs(model, batch, calc_entropy=True)
+        loss, _ = losses.actor_loss(logp + logp_shift, old, ref, adv, entropy, mask, entropy_coeff=0.01,
+                                    use_kl_loss=True, kl_loss_coef=0.1)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    clean = grads(torch.zeros_like(mask), old, ref, adv)
+    perturbed = grads(noise() * 5, old + noise(), ref + noise(), adv + noise() * 10)
+    assert all(torch.equal(a, b) for a, b in zip(clean, perturbed))
+    assert any(g.abs().sum() > 0 for g in clean)
+    # a perturbation on a model token does move the gradient (the check can fail)
+    model_token = mask.bool() & (torch.rand(mask.shape, generator=gen) < 0.2)
+    moved = grads(torch.zeros_like(mask), old, ref, adv + model_token.float())
+    assert not all(torch.equal(a, b) for a, b in zip(clean, moved))
+    values, rewards = torch.randn(mask.shape, generator=gen), torch.randn(mask.shape, generator=gen) * mask
+    base, _ = losses.gae_advantages(token_rewards=rewards, mask=mask, values=values * mask, lam=0.95)
+    shifted, _ = losses.gae_advantages(token_rewards=rewards + noise(), mask=mask,
+                                       values=(values + noise()) * mask + noise(), lam=0.95)
+    assert torch.allclose(base[mask.bool()], shifted[mask.bool()], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.multi_turn.enable=True"], "set data.return_raw_chat=True"),
+    (["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.ignore_eos=True"], "ignore_eos=True"),
+    (["actor_rollout_ref.rollout.multi_turn.max_user_turns=0"], "max_user_turns'=0 is out of range"),
+    (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls'=0 is out of range"),
+    (["actor_rollout_ref.rollout.multi_turn.format=chatml"], "choose one of: hermes"),
+    (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "left, right, middle"),
+    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"], "multi-turn interactions"),
+])
+def test_multi_turn_config_errors(overrides, message):
+    from config import load_config
+    base = ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.multi_turn.enable=True", "data.return_raw_chat=True"]
+    if overrides[0].endswith("multi_turn.enable=True"):
+        base = base[:-1]
+    with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        load_config(None, base + overrides, check_paths=False)

@@ -1,0 +1,167 @@
+"""Multi-turn GRPO end to end (real torchrun, 2 ranks, FSDP2) on the tool demo's model: the hf engine in sync and
+async mode (same conversations), vLLM in async mode, a flaky tool (raises, hangs past its timeout) whose errors are
+counted while the run goes on; config errors for bad tool yamls before any model loads."""
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import demo_tools
+from launch import ROOT, launch_env, torchrun
+
+
+@pytest.fixture(scope="module")
+def box_dir(tmp_path_factory):
+    """The tool demo's assets, warmed up only until the model calls the tool (100 steps), and a tool yaml
+    whose open_box is tool_fixtures.FlakyBoxTool with a 0.5 s timeout."""
+    out = tmp_path_factory.mktemp("box")
+    demo_tools.make_assets(out, target_accuracy=0.0, check_every=100)
+    flaky = json.loads(json.dumps(demo_tools.TOOL_YAML))
+    flaky["tools"][0].update(class_name="tests.tool_fixtures.FlakyBoxTool", config={"type": "native", "timeout": 0.5})
+    (out / "flaky.yaml").write_text(yaml.safe_dump(flaky))
+    return out
+
+
+def overrides(box_dir, out, engine, mode):
+    return [f"actor_rollout_ref.model.path={box_dir}/model", f"data.train_files={box_dir}/data/train.parquet",
+            "data.val_files=null", f"af_output_dir={out}", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+            "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.logger=[console]",
+            "data.train_batch_size=4", "data.max_prompt_length=48", "data.max_response_length=160",
+            "data.return_raw_chat=True", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            f"actor_rollout_ref.rollout.name={engine}", f"actor_rollout_ref.rollout.mode={mode}",
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={box_dir}/flaky.yaml",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+            f"trainer.rollout_data_dir={out}/rollouts"]
+
+
+def run(box_dir, out, engine, mode):
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, out, engine, mode))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    dumps = {step: [json.loads(line) for line in (out / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+             for step in (1, 2)}
+    return rows, dumps
+
+
+@pytest.fixture(scope="module")
+def hf_runs(box_dir, tmp_path_factory):
+    return {mode: run(box_dir, tmp_path_factory.mktemp(f"hf_{mode}"), "hf", mode) for mode in ("sync", "async")}
+
+
+def check_run(rows, dumps):
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["num_turns/min"] >= 2 and row["num_turns/max"] <= 6
+        assert row["num_turns/min"] <= row["num_turns/mean"] <= row["num_turns/max"]
+    assert sum(r["tool_calls/total"] for r in rows) > 0
+    assert sum(r["tool_calls/errors"] for r in rows) > 0                   # the flaky tool failed, the run went on
+    tool_answers = [m["content"] for lines in dumps.values() for line in lines for m in line["messages"]
+                    if m["role"] == "tool"]
+    stuck, late = "Error: tool 'open_box' failed: RuntimeError: the lid is stuck", \
+        "Error: tool 'open_box' did not answer within 0.5 s"
+    assert stuck in tool_answers and (late in tool_answers or any(a.startswith("code ") for a in tool_answers)), \
+        tool_answers
+    errors = [a for a in tool_answers if a.startswith("Error:")]
+    # every error is counted; one whose answer would overrun the response budget is not appended
+    assert 0 < len(errors) <= sum(r["tool_calls/errors"] for r in rows)
+    assert all(a in (stuck, late) or a.startswith(("Error: the tool call is not valid JSON", "Error: a tool call must",
+                                                     "Error: unknown tool")) for a in errors), errors
+    for lines in dumps.values():                 # the dumped output is the whole conversation after the prompt
+        for line in lines:
+            assert line["messages"][0]["role"] == "user" and line["messages"][-1]["role"] == "assistant"
+            for m in line["messages"][1:]:
+                if m["role"] == "tool":
+                    assert m["content"] in line["output"]
+
+
+def test_hf_async_run_counts_tool_errors_and_dumps_conversations(hf_runs):
+    check_run(*hf_runs["async"])
+
+
+def test_hf_sync_and_async_give_the_same_conversations(hf_runs):
+    (sync_rows, sync_dumps), (async_rows, async_dumps) = hf_runs["sync"], hf_runs["async"]
+    assert sync_dumps == async_dumps
+    for a, b in zip(sync_rows, async_rows):
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"])
+
+
+def test_vllm_async_run(box_dir, tmp_path):
+    rows, dumps = run(box_dir, tmp_path, "vllm", "async")
+    check_run(rows, dumps)
+    assert all("training/rollout_probs_diff_max" in r for r in rows)
+
+
+def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"tools": [{"class_name": "nowhere.Tool", "tool_schema": {
+        "type": "function", "function": {"name": "t"}}}]}))
+    args = [arg.replace(f"{box_dir}/flaky.yaml", str(tmp_path / "bad.yaml")) for arg in
+            overrides(box_dir, tmp_path, "hf", "async")]
+    out = subprocess.run([sys.executable, "minirl.py", "--config", str(ROOT / "config.yaml"), *args], cwd=ROOT,
+                         env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "config error: multi_turn.tool_config_path" in out.stderr and "cannot import 'nowhere'" in out.stderr
+    assert "Loading weights" not in out.stderr + out.stdout
+
+
+# verl's examples/sglang_multiturn gsm8k settings (run_qwen2.5-3b_gsm8k_multiturn.sh + gsm8k_multiturn_grpo.yaml),
+# on its agent-loop path (rollout.mode=async, vllm); paths point at local files
+VERL_GSM8K_MULTITURN = [
+    "algorithm.adv_estimator=grpo", "data.train_batch_size=256", "data.max_prompt_length=1024",
+    "data.max_response_length=1024", "data.filter_overlong_prompts=True", "data.truncation=error",
+    "data.return_raw_chat=True", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+    "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.save_freq=-1", "trainer.test_freq=20",
+    "trainer.total_epochs=15", "actor_rollout_ref.rollout.multi_turn.enable=True",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5"]
+
+
+@pytest.fixture(scope="module")
+def verl_gsm8k(tmp_path_factory, gsm8k_dir):
+    import data
+    out = tmp_path_factory.mktemp("gsm8k_tool")
+    data.main(["gsm8k", "--multiturn", "--input", str(gsm8k_dir), "--out", str(out)])
+    from test_agent import VERL_GSM8K_TOOL_YAML
+    (out / "gsm8k_tool_config.yaml").write_text(VERL_GSM8K_TOOL_YAML)
+    return out
+
+
+def test_verl_gsm8k_multiturn_example_prints_config(verl_gsm8k, tiny_model_dir):
+    paths = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={verl_gsm8k}/train.parquet",
+             f"data.val_files={verl_gsm8k}/test.parquet",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={verl_gsm8k}/gsm8k_tool_config.yaml"]
+    out = subprocess.run([sys.executable, "minirl.py", "--print-config", "--world-size", "8", *VERL_GSM8K_MULTITURN,
+                          *paths], cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0].split("batch plan:")[0])     # the config part
+    assert printed["actor_rollout_ref"]["rollout"]["multi_turn"]["enable"] is True
+    assert printed["actor_rollout_ref"]["rollout"]["mode"] == "async"
+
+
+def test_verl_gsm8k_multiturn_example_runs_on_the_tiny_model(verl_gsm8k, tiny_model_dir, tmp_path):
+    """The same settings scaled to the tiny model and 2 CPU ranks (batch sizes, lengths, the hf engine): one step;
+    the random model rarely calls the tool, so this checks the whole path runs, not that tools are used."""
+    scaled = {"data.train_batch_size": 2, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+              "actor_rollout_ref.rollout.n": 2,
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2, "data.max_response_length": 32,
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
+              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 2, "actor_rollout_ref.rollout.name": "hf",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size": 1}
+    args = [a for a in VERL_GSM8K_MULTITURN if a.split("=")[0] not in scaled] + [f"{k}={v}" for k, v in scaled.items()]
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *args, f"actor_rollout_ref.model.path={tiny_model_dir}",
+             f"data.train_files={verl_gsm8k}/train.parquet", "data.val_files=null", f"af_output_dir={tmp_path}",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={verl_gsm8k}/gsm8k_tool_config.yaml",
+             "trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.logger=[console]")
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["num_turns/min"] >= 2 and "tool_calls/total" in row and "actor/pg_loss" in row

@@ -1,0 +1,157 @@
+"""Ulysses sequence parallelism (ulysses.py): on 2 CPU ranks (gloo), sp=2 gives the same log-probs, entropy,
+gradients and weights after one update as sp=1, with packed rows of odd lengths (so padding to a multiple of sp
+runs); the trainer runs GRPO and PPO (reference and critic) with sp=2; and bad settings are clear errors."""
+import json
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from config import ConfigError, load_config
+from launch import ROOT, torchrun
+
+SP2 = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2,actor_rollout_ref.model.use_remove_padding=true"
+VARIANTS = {
+    # the reference: 2 ranks, data parallel only
+    "sp1": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4,actor_rollout_ref.model.use_remove_padding=true",
+    # one response per forward (packed lengths 11, 5, 5, ...: odd, so each row is padded by one token); the
+    # log-prob pass packs 3 rows (21, 20, 15 tokens)
+    "sp2_micro1": f"{SP2},actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1,"
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+    # a token budget (16 per device: 32 per sp group)
+    "sp2_dynamic": f"{SP2},actor_rollout_ref.actor.use_dynamic_bsz=true,"
+                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
+    # recomputed activations (the all-to-alls run again in backward) and compiled log-prob/entropy kernels
+    "sp2_checkpointing_compiled": f"{SP2},actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
+                                  "actor_rollout_ref.model.enable_gradient_checkpointing=true,"
+                                  "actor_rollout_ref.actor.use_torch_compile=true",
+}
+
+
+@pytest.fixture(scope="module")
+def sp_results(fixed_batch, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ulysses") / "results.pt"
+    torchrun(2, "tests/oracle_step.py", fixed_batch, out, tiny_model_dir,
+             *[f"{name}:{overrides}" for name, overrides in VARIANTS.items()])
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sp1"])
+def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, variant):
+    """The tiny model has 2 query heads and 1 KV head: sp=2 splits the query heads and repeats the KV head."""
+    base, other = sp_results["sp1"], sp_results[variant]
+    mask = torch.load(fixed_batch)["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        assert torch.allclose(other[key][mask], base[key][mask], atol=1e-5, rtol=1e-5), f"{variant}: {key}"
+    for name, grad in base["grads"].items():
+        assert torch.allclose(other["grads"][name], grad, atol=1e-6, rtol=1e-4), f"{variant}: grad of {name}"
+        signal = grad.abs() > 1e-6             # AdamW's first step: where |g| is round-off, the sign is noise
+        assert torch.allclose(other["weights"][name][signal], base["weights"][name][signal], atol=1e-6), \
+            f"{variant}: weights of {name}"
+    assert other["metrics"]["actor/pg_loss"] == pytest.approx(base["metrics"]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    assert other["metrics"]["actor/kl_loss"] == pytest.approx(base["metrics"]["actor/kl_loss"], rel=1e-4, abs=1e-6)
+    assert other["metrics"]["actor/grad_norm"] == pytest.approx(base["metrics"]["actor/grad_norm"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer with sp=2
+
+
+def run_trainer(demo_dir, out, *overrides):
+    """A short run of the demo config on 2 ranks; returns its metrics rows."""
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+             f"af_output_dir={out}", "trainer.val_before_train=false", "trainer.test_freq=-1",
+             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_trains(rows, keys):
+    for row in rows:
+        for key in keys:
+            assert torch.isfinite(torch.tensor(row[key])), (row["step"], key)
+        assert row["actor/grad_norm"] > 0
+
+
+def test_grpo_with_sequence_parallel_then_resume_without(demo_dir, tmp_path):
+    """GRPO with the KL loss (actor and reference sp=2) for two steps, checkpointed; the checkpoint then resumes
+    with sp=1 (FSDP shards over all ranks whatever sp is, so checkpoints do not depend on it)."""
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=2",
+                       "trainer.save_freq=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "actor/entropy"))
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
+                       "trainer.save_freq=-1", "trainer.resume_mode=auto")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_trains(rows[2:], ("actor/pg_loss", "actor/kl_loss"))
+
+
+def test_ppo_with_sequence_parallel_actor_reference_and_critic(demo_dir, tmp_path):
+    """PPO (GAE) with sp=2 for the actor, the reference (inherited) and the critic: both models train. One
+    mini-batch per step, so the update's own log-probs stand in for the old ones (minirl.update_is_on_policy)."""
+    rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "trainer.save_freq=-1", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                       f"critic.model.path={demo_dir}/model", "critic.ppo_micro_batch_size_per_gpu=2",
+                       "critic.model.use_remove_padding=true", "critic.ulysses_sequence_parallel_size=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/entropy"))
+    assert all(row["critic/grad_norm"] > 0 for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+BASE = ["algorithm.adv_estimator=grpo", "data.train_files=unused", "actor_rollout_ref.model.path=unused",
+        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=false"],
+     2, "set 'actor_rollout_ref.model.use_remove_padding=true'"),
+    (["algorithm.adv_estimator=gae", "critic.model.path=unused", "critic.ppo_micro_batch_size_per_gpu=2",
+      "critic.ulysses_sequence_parallel_size=2"], 2, "set 'critic.model.use_remove_padding=true'"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true"],
+     3, "'actor_rollout_ref.actor.ulysses_sequence_parallel_size'=2 must divide the world size 3"),
+    (["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4"],
+     2, "'actor_rollout_ref.ref.ulysses_sequence_parallel_size'=4 must divide the world size 2"),
+])
+def test_sequence_parallel_config_errors(overrides, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, BASE + overrides, world_size=world, check_paths=False)
+
+
+def test_batch_plan_is_data_parallel_over_sp_groups():
+    """verl's arithmetic with sp: 4 ranks, sp=2 -> dp=2; the mini-batch per dp rank is 4*2/2 = 4 responses."""
+    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                    "actor_rollout_ref.model.use_remove_padding=true"], world_size=4,
+                      check_paths=False)
+    from batch_plan import batch_plan
+    plan = batch_plan(cfg, 4)
+    assert (plan["dp"], plan["sp"], plan["responses_per_mini_batch_per_rank"]) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("heads, kv_heads, sp, message", [
+    (6, 6, 4, "must divide the model's 6 attention heads"),
+    (4, 3, 2, "the model's 3 key/value heads: one must divide the other"),
+])
+def test_heads_that_cannot_be_split_are_a_clear_error(tiny_tokenizer_dir, heads, kv_heads, sp, message):
+    """Checked when the model loads (before any collective), naming the key and the numbers."""
+    import ulysses
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=heads * 8, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads))
+    with pytest.raises(ConfigError, match=message) as err:
+        ulysses.enable(model, sp, group=None, key="actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+    assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size" in str(err.value)
+
+
+def test_kv_heads_are_repeated_when_fewer_than_sp():
+    import ulysses
+    assert ulysses.kv_repeats(2, 1, 2, "k") == 2 and ulysses.kv_repeats(8, 4, 2, "k") == 1
+    assert ulysses.kv_repeats(8, 2, 4, "k") == 2
