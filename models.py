@@ -43,6 +43,10 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
     loaded as token_cls gets a fresh value head."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if kind != "causal":
+        # transformers' classification heads default to dropout 0.1, live while the critic trains (train mode);
+        # verl's fsdp_workers sets classifier_dropout=0 for its critic too. override_config can still set it.
+        config.classifier_dropout = 0.0
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
     if kind != "causal" and vision.is_vision_language(config):
@@ -419,12 +423,23 @@ class Worker:
         With sp > 1 the rows are the sp group's, dp is world/sp, sums run over the dp group (each row once), and
         ulysses.GatherRows scales the gradient by sp (FSDP averages over all dp x sp ranks)."""
         batch = self.group_rows(batch)
-        size = batch_size_of(batch)
         metrics = {}
 
         def record(name, value):
             metrics.setdefault(prefix + name, []).append(float(value))
 
+        self.model.train()          # transformers recomputes activations (gradient checkpointing) in train mode only
+        try:
+            self._optimize_epochs(batch, plan, loss_fn, record)
+        finally:
+            self.model.eval()       # log-prob passes run in eval mode, as verl's compute_log_prob
+        record("lr", self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        return {name: float(sum(values) / len(values)) for name, values in metrics.items()}
+
+    def _optimize_epochs(self, batch, plan, loss_fn, record):
+        """optimize's loop: epochs x mini-batches (one optimizer step each) x micro-batches."""
+        size = batch_size_of(batch)
         for _ in range(plan.epochs):
             for start in range(0, size, plan.mini_batch_rows):
                 mini = take(batch, list(range(start, min(start + plan.mini_batch_rows, size))))
@@ -443,9 +458,6 @@ class Worker:
                 for name, value in totals.items():
                     record(name, value)
                 record("grad_norm", self.clip_and_step(plan.grad_clip, loss=sum(totals.values())))
-        record("lr", self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
-        return {name: float(sum(values) / len(values)) for name, values in metrics.items()}
 
     def clip_and_step(self, max_norm, loss=0.0):
         """Clip the gradient norm and step. A non-finite gradient norm or `loss` (the same on every rank: both

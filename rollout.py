@@ -124,7 +124,9 @@ class HFRollout:
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
         kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=self.eos_ids, pad_token_id=pad,
-                      do_sample=not sampling.greedy, min_new_tokens=sampling.max_tokens if sampling.ignore_eos else 0)
+                      do_sample=not sampling.greedy)
+        if sampling.ignore_eos:        # a min_new_tokens of 0 would still install a logits processor
+            kwargs["min_new_tokens"] = sampling.max_tokens
         if not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)

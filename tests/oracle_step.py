@@ -17,6 +17,7 @@ from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
 from batch_plan import batch_plan  # noqa: E402
 from config import load_config  # noqa: E402
 from minirl import Policy, init_distributed, seed_everything  # noqa: E402
+from models import decoder_layers  # noqa: E402
 
 BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=true",
@@ -49,11 +50,15 @@ def main(batch_path, out_path, model_dir, *variants):
                                                rollout.log_prob_use_dynamic_bsz,
                                                rollout.log_prob_max_token_len_per_gpu, rollout.temperature,
                                                calc_entropy=True)
+        layer_calls = []    # checkpointing re-enters each layer in backward (a pre-hook: recompute may stop early)
+        hook = decoder_layers(actor.model)[0].register_forward_pre_hook(lambda *_: layer_calls.append(1))
         metrics = actor.update(local, dp_size=plan["dp"])
+        hook.remove()
         grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
         weights = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
         results[name] = {"grads": grads, "weights": weights, "metrics": metrics,
-                         "log_probs": all_gather_rows(logp, world), "entropy": all_gather_rows(entropy, world)}
+                         "log_probs": all_gather_rows(logp, world), "entropy": all_gather_rows(entropy, world),
+                         "update_layer_calls": len(layer_calls)}
     if rank == 0:
         torch.save(results, out_path)
     torch.distributed.barrier()           # no rank tears gloo down while another still uses it

@@ -189,6 +189,14 @@ def test_one_update_is_independent_of_batching(oracle_results, variant, tiny_mod
     assert other["metrics"]["actor/grad_norm"] == pytest.approx(base["metrics"]["actor/grad_norm"], rel=1e-4)
 
 
+def test_gradient_checkpointing_recomputes_in_the_update(oracle_results):
+    """enable_gradient_checkpointing must really recompute: each micro-batch's backward runs every decoder layer's
+    forward a second time (transformers checkpoints only in train mode, so an update left in eval mode would not)."""
+    micro_batches = 8 // 2                                  # 8 rows, ppo_micro_batch_size_per_gpu=2
+    assert oracle_results["micro4"]["update_layer_calls"] == 8 // 4
+    assert oracle_results["checkpointing"]["update_layer_calls"] == 2 * micro_batches
+
+
 def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir):
     """The trainer's gradient equals autograd of the loss written out here over the whole batch at once:
     token-mean PPO-clip loss - 0.01 * token-mean entropy + 0.1 * token-mean k3 KL (clip 0.2, dual clip 3)."""
