@@ -205,6 +205,27 @@ class TrainingDiverged(RuntimeError):
     """Too many non-finite updates in a row; the message names the likely causes and the last good checkpoint."""
 
 
+OUTPUT_FOLDER_KEYS = ("af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir",
+                      "trainer.validation_data_dir")
+
+
+def check_output_folders(cfg, rank):
+    """Every folder the run will write to exists or can be made, and takes a file: a clear error naming the key
+    before any model loads, not an OSError at the first log line or checkpoint."""
+    for key in OUTPUT_FOLDER_KEYS:
+        folder = get_dotted(cfg, key)
+        if not folder or str(folder).startswith("hdfs://"):
+            continue
+        probe = Path(folder) / f".minirl_write_check_{rank}"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise ConfigError(f"{key}={folder!r} is not a folder minirl can write to ({error.strerror or error}); "
+                              f"point it at a writable folder") from None
+
+
 class Trainer:
     """Holds what lives across steps: models, rollout engine, data, reward function, logger."""
 
@@ -251,6 +272,7 @@ class Trainer:
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
+        check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # with LoRA the reference is the actor's own base model (adapter disabled): no second copy of the weights

@@ -224,3 +224,16 @@ def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_b
     scale = min(1.0, 1.0 / (float(norm) + 1e-6))
     for name, param in model.named_parameters():
         assert torch.allclose(oracle_results["base"]["grads"][name], param.grad * scale, atol=1e-7, rtol=1e-4), name
+
+
+def test_an_unwritable_output_folder_is_a_clear_error_before_models_load(demo_dir, tmp_path):
+    """A checkpoint folder that cannot be made (a file stands in its path) stops the run with the key named,
+    before any model loads, not at the first checkpoint."""
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+                   f"af_output_dir={tmp_path / 'run'}", f"trainer.default_local_dir={tmp_path / 'blocker' / 'ckpt'}",
+                   expect_ok=False)
+    assert out.returncode != 0
+    assert "trainer.default_local_dir=" in out.stderr and "not a folder minirl can write to" in out.stderr
+    assert "Loading weights" not in out.stdout + out.stderr
