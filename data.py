@@ -469,41 +469,33 @@ def run_geo3k(args):
     preprocess_geo3k(args.input, args.out)
 
 
-def run_demo_vl(args):
-    from demo_vl import make_vl_demo_assets      # Pillow, transformers' processors: only for this command
-
+def build_demo(name, make_assets, out):
+    """Build a demo's assets with make_assets(out) -> paths (warmup.json among them) and say what was written."""
     start = time.time()
-    paths = make_vl_demo_assets(args.out)
-    warmup = json.loads(paths["warmup"].read_text())
-    print(f"VL demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, "
-          f"data {paths['train']} / {paths['test']}")
-    print(f"warmed-up model after {warmup['steps']} steps, greedy on the test prompts: "
-          f"format {warmup['format']:.0%}, accuracy {warmup['accuracy']:.0%}")
+    paths = make_assets(out)
+    warmup = json.loads(paths.pop("warmup").read_text())
+    print(f"{name} written to {out} in {time.time() - start:.0f}s: "
+          + ", ".join(f"{kind} {path}" for kind, path in paths.items()))
+    print("after the warm-up, greedy on the test prompts: "
+          + ", ".join(f"{key} {value:.0%}" if isinstance(value, float) else f"{key} {value}"
+                      for key, value in warmup.items()))
 
 
+# The demo builders are imported in their commands: they build on this module (left_pad), on rewards.py and on
+# Pillow / transformers' processors, none of which the dataset code needs.
 def run_demo(args):
-    # Imported here: demo.py builds on this module (left_pad) and on rewards.py, which the dataset code never needs.
     from demo import make_demo_assets
+    build_demo("demo", make_demo_assets, args.out)
 
-    start = time.time()
-    paths = make_demo_assets(args.out)
-    warmup = json.loads(paths["warmup"].read_text())
-    print(f"demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, "
-          f"data {paths['train']} / {paths['test']}")
-    print(f"warmed-up model after {warmup['steps']} steps, greedy on the 100 test prompts: "
-          f"format {warmup['format']:.0%}, exact accuracy {warmup['accuracy']:.0%}")
+
+def run_demo_vl(args):
+    from demo_vl import make_vl_demo_assets
+    build_demo("VL demo", make_vl_demo_assets, args.out)
 
 
 def run_demo_tools(args):
-    from demo_tools import make_assets          # (demo_tools.py: the task, its tool and the warm-up)
-
-    start = time.time()
-    paths = make_assets(args.out)
-    warmup = json.loads(paths["warmup"].read_text())
-    print(f"tool demo written to {args.out} in {time.time() - start:.0f}s: model {paths['model']}, data "
-          f"{paths['train']} / {paths['test']}, tools {paths['tools']}")
-    print(f"warmed-up model after {warmup['steps']} steps, greedy through the agent loop on 32 test prompts: "
-          f"called the tool {warmup['called_tool']:.0%}, right code {warmup['accuracy']:.0%}")
+    from demo_tools import make_assets
+    build_demo("tool demo", make_assets, args.out)
 
 
 COMMANDS = {

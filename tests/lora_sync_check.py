@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minirl import init_distributed, seed_everything, sync_rollout  # noqa: E402
 from models import AdapterDisabled, Policy, token_logprobs  # noqa: E402
 from rollout import HFRollout, Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
-from vllm_sync_check import PROMPTS, config, prompt_batch  # noqa: E402
+from vllm_sync_check import PROMPTS, config, prompt_batch, save_records_and_shut_down  # noqa: E402
 
 TEMPERATURE, RESPONSE_LEN = 0.7, 8
 
@@ -86,14 +85,7 @@ def main(model_dir, out_path, load_format, tp, run_dir):
     record["trainable"] = sorted(name for name, p in actor.model.named_parameters() if p.requires_grad)
     record["optimized"] = sum(len(group["params"]) for group in actor.optimizer.param_groups)
 
-    records = [None] * world
-    dist.all_gather_object(records, record)
-    if rank == 0:
-        torch.save(records, out_path)
-    dist.barrier()
-    engine.shutdown()                   # destroys the default process group: last
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    save_records_and_shut_down(record, out_path, engine, world)
 
 
 if __name__ == "__main__":

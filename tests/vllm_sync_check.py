@@ -97,12 +97,17 @@ def main(model_dir, out_path, tp, run_dir):
     actor.update(batch, dp_size=world)
     _, record["after"] = rollout(engine, actor, disk_model, prompts, seed + 1, tokenizer.pad_token_id)
 
+    save_records_and_shut_down(record, out_path, engine, world)
+
+
+def save_records_and_shut_down(record, out_path, engine, world):
+    """Rank 0 saves every rank's record; then the engine shuts down, last (it destroys the default group)."""
     records = [None] * world
     dist.all_gather_object(records, record)
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save(records, out_path)
     dist.barrier()
-    engine.shutdown()                   # destroys the default process group: last
+    engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vision  # noqa: E402
@@ -21,7 +20,7 @@ from minirl import Policy, init_distributed, seed_everything  # noqa: E402
 from batch import take  # noqa: E402
 from models import full_state_dict_items, load_model, token_logprobs  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
-from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config  # noqa: E402
+from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config, save_records_and_shut_down  # noqa: E402
 
 
 def rollout(engine, actor, disk_model, batch, seed, pad_id, skip_vision=False):
@@ -76,14 +75,7 @@ def main(model_dir, data_path, out_path, run_dir):
     step(full, records["after"])
     _, records["stale_vision"] = rollout(engine, actor, disk_model, batch, seed + 2, pad, skip_vision=True)
 
-    gathered = [None] * world
-    dist.all_gather_object(gathered, records)
-    if rank == 0:
-        torch.save(gathered, out_path)
-    dist.barrier()
-    engine.shutdown()                   # destroys the default process group: last
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    save_records_and_shut_down(records, out_path, engine, world)
 
 
 if __name__ == "__main__":
