@@ -18,8 +18,9 @@ One training step, in verl's order (see `train_step`):
     6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
-Models and their updates live in models.py (the loss itself in losses.py), generation in rollout.py, rows and
-who holds them in batch.py, logging and metrics in tracking.py, checkpoints in checkpoint.py.
+Devices, processes, seeds and paths live in runtime.py, models and their updates in models.py (the loss itself in
+losses.py), generation in rollout.py, rows and who holds them in batch.py, logging and metrics in tracking.py,
+checkpoints in checkpoint.py.
 
 Where minirl deliberately differs from verl: the loss of a mini-batch is normalised over the whole mini-batch
 (all micro-batches and ranks), so the gradient does not depend on the micro-batch size, dynamic batching or the
@@ -28,20 +29,16 @@ world size (verl v0.5.0 normalises per micro-batch; see losses.agg_loss).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
@@ -59,122 +56,16 @@ import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
-from config import (ConfigError, get_dotted, load_config, planning_world_size, settings_without_effect,
+from config import (ConfigError, load_config, planning_world_size, settings_without_effect,
                     to_verl)
 from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
+from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
+                     seed_everything)
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
 from tools import load_tools
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
-
-# ----------------------------------------------------------------------------------------------------------------
-# Devices, processes, seeds
-
-
-def pick_device(requested="auto"):
-    """(device type, process-group backend): npu/hccl when torch_npu is usable, cuda/nccl, else cpu/gloo."""
-
-    def npu_available():
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except ImportError:
-            return False
-        return torch.npu.is_available()
-
-    available = {"npu": npu_available, "cuda": torch.cuda.is_available, "cpu": lambda: True}
-    backend = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-    if requested == "auto":
-        device = next(name for name in ("npu", "cuda", "cpu") if available[name]())
-    elif not available[requested]():
-        raise ConfigError(f"trainer.device={requested} but no {requested} device is usable here; "
-                          f"set trainer.device=auto")
-    else:
-        device = requested
-    return device, backend[device]
-
-
-def init_distributed(device_type, backend):
-    """Join torchrun's process group (or make a one-process group). Returns (rank, world_size, device)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(device_type, local_rank)
-        getattr(torch, device_type).set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
-        failures.watch_parent()
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def sampling_seed(seed, step, rank, purpose="train"):
-    """A fixed seed per (run seed, step, rank): sampling is reproducible and differs across ranks and steps."""
-    digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{rank}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# hdfs:// paths: copied once into a local cache
-
-
-def local_path(path, cache_dir, filesystem=None):
-    """A local path for `path`. hdfs:// paths (files or folders) are copied into `cache_dir` with pyarrow's
-    HadoopFileSystem (or `filesystem`, for tests); the copy lands under a temporary name and is renamed into
-    place, so a half-copied folder is never used."""
-    if not str(path).startswith("hdfs://") and filesystem is None:
-        return str(path)
-    if filesystem is None:
-        try:
-            filesystem, remote = pafs.FileSystem.from_uri(path)
-        except OSError as err:
-            raise RuntimeError(f"cannot open '{path}': pyarrow's HadoopFileSystem needs libhdfs (set HADOOP_HOME "
-                               f"and ARROW_LIBHDFS_DIR, and CLASSPATH from `hadoop classpath --glob`), or copy "
-                               f"the files to a local path and point the config there. "
-                               f"({str(err).splitlines()[0]})") from err
-    else:
-        remote = str(path).replace("hdfs://", "", 1)
-    target = Path(cache_dir) / hashlib.sha256(str(path).encode()).hexdigest()[:16] / Path(remote).name
-    if target.exists():
-        return str(target)
-    if filesystem.get_file_info(remote).type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"'{path}' does not exist on its filesystem")
-    staging = target.with_name(target.name + f".tmp-{os.getpid()}")
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    pafs.copy_files(remote, str(staging), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
-    try:
-        os.rename(staging, target)
-    except OSError:            # another rank finished first
-        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
-    return str(target)
-
-
-def resolve_paths(cfg):
-    """Replace every hdfs:// model and data path of the config by its local copy; errors name the key."""
-    cache = cfg.trainer.hdfs_cache_dir or str(Path(cfg.af_output_dir) / "hdfs_cache")
-    for dotted in ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
-                   "reward_model.model.path"):
-        parent, key = dotted.rsplit(".", 1)
-        section = get_dotted(cfg, parent)
-        value = section[key]
-        if not value:
-            continue
-        try:
-            section[key] = [local_path(v, cache) for v in value] if isinstance(value, list) else local_path(value, cache)
-        except (RuntimeError, OSError) as err:
-            raise ConfigError(f"'{dotted}': {err}") from err
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small pieces of the step
@@ -203,27 +94,6 @@ NONFINITE_STEPS_TO_STOP = 3      # training steps in a row with a skipped (NaN/i
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite updates in a row; the message names the likely causes and the last good checkpoint."""
-
-
-OUTPUT_FOLDER_KEYS = ("af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir",
-                      "trainer.validation_data_dir")
-
-
-def check_output_folders(cfg, rank):
-    """Every folder the run will write to exists or can be made, and takes a file: a clear error naming the key
-    before any model loads, not an OSError at the first log line or checkpoint."""
-    for key in OUTPUT_FOLDER_KEYS:
-        folder = get_dotted(cfg, key)
-        if not folder or str(folder).startswith("hdfs://"):
-            continue
-        probe = Path(folder) / f".minirl_write_check_{rank}"
-        try:
-            probe.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_text("")
-            probe.unlink()
-        except OSError as error:
-            raise ConfigError(f"{key}={folder!r} is not a folder minirl can write to ({error.strerror or error}); "
-                              f"point it at a writable folder") from None
 
 
 class Trainer:

@@ -44,7 +44,7 @@ def child(model_dir, rank, targets, steps, out):
     import torch
 
     from config import load_config
-    from minirl import init_distributed
+    from runtime import init_distributed
     from models import AdapterDisabled, Policy, full_state_dict_items
     from step import varied_batch
     _, _, device = init_distributed("cpu", "gloo")

@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from config import load_config  # noqa: E402
-from minirl import Policy, init_distributed, seed_everything  # noqa: E402
+from models import Policy  # noqa: E402
+from runtime import init_distributed, seed_everything  # noqa: E402
 from models import full_state_dict_items  # noqa: E402
 from rollout import HFRollout, Sampling, VLLMRollout  # noqa: E402
 

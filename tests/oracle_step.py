@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
 from batch_plan import batch_plan  # noqa: E402
 from config import load_config  # noqa: E402
-from minirl import Policy, init_distributed, seed_everything  # noqa: E402
-from models import decoder_layers  # noqa: E402
+from runtime import init_distributed, seed_everything  # noqa: E402
+from models import Policy, decoder_layers  # noqa: E402
 
 BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.use_kl_loss=true",

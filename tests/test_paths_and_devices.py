@@ -5,7 +5,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from config import load_config
-from minirl import local_path, pick_device, resolve_paths
+from runtime import local_path, pick_device, resolve_paths
 
 
 def test_hdfs_folder_copy_is_complete_and_cached(tmp_path):

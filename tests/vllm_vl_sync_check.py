@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
-from minirl import Policy, init_distributed, seed_everything  # noqa: E402
+from models import Policy  # noqa: E402
+from runtime import init_distributed, seed_everything  # noqa: E402
 from batch import take  # noqa: E402
 from models import full_state_dict_items, load_model, token_logprobs  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
