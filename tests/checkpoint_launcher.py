@@ -26,8 +26,8 @@ def run_with_nan(from_step, *overrides):
         poison["on"] = self.global_step >= int(from_step)
         return train_step(self, prompts)
 
-    def poisoned_forward(self, micro, temperature, calc_entropy=False):
-        logp, entropy = forward(self, micro, temperature, calc_entropy)
+    def poisoned_forward(self, micro, temperature, calc_entropy=False, **kwargs):
+        logp, entropy = forward(self, micro, temperature, calc_entropy, **kwargs)
         if poison["on"] and torch.is_grad_enabled():        # the update's forward, not the no-grad log-probs
             logp = logp * float("nan")
         return logp, entropy
