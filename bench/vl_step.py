@@ -9,9 +9,7 @@ same pixels; the ratio is the vision tower's share of the actor's training compu
 Usage: .venv/bin/python bench/vl_step.py [--steps 6] [--demo demo-vl] [--skip-run]
 """
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ from data import RLHFDataset, collate  # noqa: E402
 from models import load_model, token_logprobs  # noqa: E402
 from rollout import responses_to_batch  # noqa: E402
 from step import phase_table, run_demo_steps  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def image_batch(demo, rows, response_len=8):
@@ -35,16 +34,6 @@ def image_batch(demo, rows, response_len=8):
     tokenizer = processor.tokenizer
     return {**prompts, **responses_to_batch(prompts, responses, response_len, tokenizer.pad_token_id,
                                             [tokenizer.eos_token_id])}
-
-
-def timed(fn, repeats):
-    fn()                                                    # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def vision_share(demo, rows, repeats):
@@ -62,7 +51,7 @@ def vision_share(demo, rows, repeats):
         out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
         out.pooler_output.sum().backward()
 
-    whole_s, tower_s = timed(whole, repeats), timed(tower, repeats)
+    whole_s, tower_s = median_seconds(whole, repeats, warmup=1), median_seconds(tower, repeats, warmup=1)
     patches = inputs["pixel_values"].shape[0]
     return ("| micro-batch | image patches | actor fwd+bwd s | vision tower fwd+bwd s | vision share |\n"
             "|---|---|---|---|---|\n"
