@@ -9,6 +9,7 @@ same pixels; the ratio is the vision tower's share of the actor's training compu
 Usage: .venv/bin/python bench/vl_step.py [--steps 6] [--demo demo-vl] [--skip-run]
 """
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
 from models import load_model, token_logprobs  # noqa: E402
 from rollout import responses_to_batch  # noqa: E402
-from step import phase_table, run_demo_steps  # noqa: E402
+from step import run_demo_steps  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
 
@@ -34,6 +35,18 @@ def image_batch(demo, rows, response_len=8):
     tokenizer = processor.tokenizer
     return {**prompts, **responses_to_batch(prompts, responses, response_len, tokenizer.pad_token_id,
                                             [tokenizer.eos_token_id])}
+
+
+def phase_table(rows):
+    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
+    lines = ["| phase | median s | share of step |", "|---|---|---|"]
+    step = statistics.median(r["timing_s/step"] for r in rows)
+    for key in keys:
+        median = statistics.median(r[key] for r in rows)
+        lines.append(f"| {key[len('timing_s/'):]} | {median:.3f} | {median / step:.0%} |")
+    tput = statistics.median(r["perf/throughput"] for r in rows)
+    lines.append(f"\nthroughput (tokens/s per rank, median): {tput:.0f}")
+    return "\n".join(lines)
 
 
 def vision_share(demo, rows, repeats):
@@ -69,7 +82,7 @@ def main():
     args = parser.parse_args()
     if not args.skip_run:
         print("## VL demo step, 2 ranks, hf rollout\n")
-        print(phase_table(run_demo_steps(args.steps, args.demo)))
+        print(phase_table(run_demo_steps(args.steps, args.demo, remove_padding=True)))
     print(f"\n## vision tower share of the actor's forward+backward (median of {args.repeats} runs)\n")
     print(vision_share(args.demo, args.rows, args.repeats))
 
