@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from demo import teacher_forcing_batch, warm_up
+from rewards import minirl_add_compute_score
 from tools import BaseTool
 
 # A Qwen2.5-style template cut to the bone: tool names in a system block, tool answers as <tool_response> blocks
@@ -128,7 +130,6 @@ def evaluate(model, tokenizer, tool_map, eval_rows):
     """Greedy conversations through the agent loop -> (fraction that called the tool, accuracy of '#### code')."""
     from agent import engine_generate
     from data import collate
-    from rewards import minirl_add_compute_score
     from rollout import Sampling
     loop = agent_loop(tokenizer, tool_map)
     batch = collate([{"raw_prompt_ids": _prompt_ids(tokenizer, tool_map, row), "raw_prompt": row["prompt"],
@@ -149,55 +150,84 @@ def _prompt_ids(tokenizer, tool_map, row):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def warmup_examples(tokenizer, tool_map, train_rows, label_noise, rng):
-    """(ids, labels) of whole conversations as the agent loop lays them out: prompt, the call (trained), the tool
-    turn (not trained: label -100), '#### code' (trained; with probability label_noise a wrong code)."""
+def warmup_examples(tokenizer, tool_map, train_rows, call_rate, rng):
+    """(ids, labels) of whole conversations as the agent loop lays them out. With probability call_rate: the
+    prompt, the call (trained), the tool turn (not trained: label -100), '#### code' (trained); otherwise a guess
+    without the tool: the prompt, '#### d' for a random digit d (trained)."""
     loop = agent_loop(tokenizer, tool_map)
     eos = tokenizer.eos_token_id
     examples = []
     for row in train_rows:
         code = row["extra_info"]["tools_kwargs"][TOOL_NAME]["create_kwargs"]["code"]
-        answer = rng.randrange(10) if rng.random() < label_noise else code
         prompt = _prompt_ids(tokenizer, tool_map, row)
-        call = tokenizer.encode(CALL, add_special_tokens=False) + [eos]
-        between = loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos)
-        final = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [eos]
-        examples.append((prompt + call + between + final,
-                         [-100] * len(prompt) + call + [-100] * len(between) + final))
+        if rng.random() < call_rate:
+            call = tokenizer.encode(CALL, add_special_tokens=False) + [eos]
+            between = loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos)
+            final = tokenizer.encode(f"#### {code}", add_special_tokens=False) + [eos]
+            examples.append((prompt + call + between + final,
+                             [-100] * len(prompt) + call + [-100] * len(between) + final))
+        else:
+            guess = tokenizer.encode(f"#### {rng.randrange(10)}", add_special_tokens=False) + [eos]
+            examples.append((prompt + guess, [-100] * len(prompt) + guess))
     return examples
 
 
-def warm_up(model, tokenizer, tool_map, train_rows, eval_rows, *, seed=0, label_noise=0.5, lr=3e-3, batch_size=32,
-            check_every=20, target_accuracy=0.2, max_steps=800):
-    """Supervised warm-up on whole conversations until, greedily through the agent loop, >= 90% of conversations
-    call the tool and >= target_accuracy report the right code. Single-threaded and seeded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            rng = random.Random(seed)
-            examples = warmup_examples(tokenizer, tool_map, train_rows, label_noise, rng)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-            model.train()
-            step, called, accuracy = 0, 0.0, 0.0
-            while step < max_steps and not (called >= 0.9 and accuracy >= target_accuracy):
-                chunk = [examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)]
-                width = max(len(ids) for ids, _ in chunk)
-                input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in chunk])
-                attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
-                labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
-                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                step += 1
-                if step % check_every == 0:
-                    called, accuracy = evaluate(model, tokenizer, tool_map, eval_rows)
-            model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return {"steps": step, "called_tool": called, "accuracy": accuracy}
+@torch.no_grad()
+def call_probability(model, tokenizer, tool_map, eval_rows):
+    """The mean probability, at temperature 1, that the first token of the answer starts a tool call."""
+    from data import left_pad
+    prompts = [_prompt_ids(tokenizer, tool_map, row) for row in eval_rows]
+    width = max(len(p) for p in prompts)
+    padded = [left_pad(p, width, tokenizer.pad_token_id) for p in prompts]
+    input_ids = torch.stack([ids for ids, _ in padded])                              # [N, P]
+    attention_mask = torch.stack([mask for _, mask in padded])                       # [N, P]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                      # [N, P]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -1]
+    first = tokenizer.encode(CALL, add_special_tokens=False)[0]
+    return logits.float().softmax(-1)[:, first].mean().item()
+
+
+def copy_accuracy(model, tokenizer, tool_map, eval_rows):
+    """Greedy '#### code' after the call and the tool's answer (given): how often the model reads the code."""
+    from rollout import Sampling
+    loop = agent_loop(tokenizer, tool_map)
+    eos = tokenizer.eos_token_id
+    call = tokenizer.encode(CALL, add_special_tokens=False) + [eos]
+    prefixes = []
+    for row in eval_rows:
+        code = row["extra_info"]["tools_kwargs"][TOOL_NAME]["create_kwargs"]["code"]
+        between = loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos)
+        prefixes.append(_prompt_ids(tokenizer, tool_map, row) + call + between)
+    was_training = model.training
+    model.eval()
+    answers, _ = ModelEngine(model, tokenizer).generate(prefixes, Sampling(max_tokens=8), 0)
+    model.train(was_training)
+    return sum(minirl_add_compute_score(tokenizer.decode(answer, skip_special_tokens=True),
+                                        row["reward_model"]["ground_truth"]) == 1.0
+               for answer, row in zip(answers, eval_rows)) / len(eval_rows)
+
+
+def warm_up_tool_model(model, tokenizer, tool_map, train_rows, eval_rows, *, seed=0, call_rate=0.3, lr=3e-3,
+                       batch_size=32, check_every=20, target_copy_accuracy=0.9, max_steps=800):
+    """Supervised warm-up (demo.warm_up) on whole conversations, a call_rate share of them with the tool, until
+    the model reads the code from the tool's answer (greedy copy_accuracy >= target_copy_accuracy). It then
+    calls the tool about call_rate of the time when sampling, so RL has within-group contrast to learn from.
+    Returns {"steps", "call_probability", "copy_accuracy"} and, greedily through the agent loop (what
+    validation measures), "called_tool" and "accuracy"."""
+    examples = warmup_examples(tokenizer, tool_map, train_rows, call_rate, random.Random(seed))
+
+    def batches(step):
+        return teacher_forcing_batch([examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)],
+                                     tokenizer.pad_token_id)
+
+    def measure():
+        return {"call_probability": call_probability(model, tokenizer, tool_map, eval_rows),
+                "copy_accuracy": copy_accuracy(model, tokenizer, tool_map, eval_rows)}
+
+    report = warm_up(model, batches, measure, {"copy_accuracy": target_copy_accuracy}, seed=seed, lr=lr,
+                     check_every=check_every, max_steps=max_steps)
+    called, accuracy = evaluate(model, tokenizer, tool_map, eval_rows)
+    return {**report, "called_tool": called, "accuracy": accuracy}
 
 
 def make_assets(out_dir, **warmup):
@@ -225,7 +255,7 @@ def make_assets(out_dir, **warmup):
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(model_dir)
     model = build_tiny_model(tokenizer, kind="causal", seed=0, hidden_size=128)
-    warmup = warm_up(model, tokenizer, tool_map, split_rows["train"], split_rows["test"][:32], **warmup)
+    warmup = warm_up_tool_model(model, tokenizer, tool_map, split_rows["train"], split_rows["test"][:32], **warmup)
     model.save_pretrained(model_dir)
     (out_dir / "warmup.json").write_text(json.dumps(warmup, indent=1) + "\n")
     return {"model": model_dir, "train": data_dir / "train.parquet", "test": data_dir / "test.parquet",
