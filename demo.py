@@ -178,10 +178,10 @@ def teacher_forcing_batch(examples, pad_token_id):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def warm_up(model, batches, evaluate, targets, *, seed=0, lr=2e-3, check_every=10, max_steps=600):
+def warm_up(model, batches, evaluate, until, *, seed=0, lr=2e-3, check_every=10, max_steps=600):
     """The demos' supervised warm-up: AdamW on `batches(step)` (model kwargs with labels) until, at a check every
-    check_every steps, each metric named in `targets` (of `evaluate()`'s dict) reaches its value, or max_steps
-    (then the metrics are the last check's).
+    check_every steps, `until(metrics)` holds for the dict `evaluate()` returns, or max_steps (then the metrics are
+    the last check's).
     A stopping rule rather than a fixed step count, which would drift with hardware and library versions.
     Single-threaded and seeded, so it is deterministic on a given machine. Returns {"steps", **last metrics}."""
     threads = torch.get_num_threads()
@@ -192,7 +192,7 @@ def warm_up(model, batches, evaluate, targets, *, seed=0, lr=2e-3, check_every=1
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             model.train()
             step, metrics = 0, None
-            while step < max_steps and not (metrics and all(metrics[k] >= v for k, v in targets.items())):
+            while step < max_steps and not (metrics and until(metrics)):
                 loss = model(**batches(step)).loss
                 optimizer.zero_grad()
                 loss.backward()
@@ -224,8 +224,8 @@ def warm_up_demo_model(model, tokenizer, train_rows, eval_rows, *, seed=0, label
         fmt, accuracy = demo_accuracy(model, tokenizer, eval_rows)
         return {"format": fmt, "accuracy": accuracy}
 
-    return warm_up(model, batches, evaluate, {"format": 0.9, "accuracy": target_accuracy}, seed=seed, lr=lr,
-                   check_every=check_every, max_steps=max_steps)
+    return warm_up(model, batches, evaluate, lambda m: m["format"] >= 0.9 and m["accuracy"] >= target_accuracy,
+                   seed=seed, lr=lr, check_every=check_every, max_steps=max_steps)
 
 
 def make_demo_assets(out_dir):

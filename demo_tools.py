@@ -1,11 +1,16 @@
 """The tool-use demo (`python data.py demo-tools --out DIR`): a task the tiny model cannot solve without its tool.
 
-Each prompt asks for the code hidden in a box; the code is a random number drawn per row, so nothing in the prompt
+Each prompt asks for the code hidden in a box; the code is a random digit drawn per row, so nothing in the prompt
 or the weights can predict it. The `open_box` tool (this module's BoxTool) returns it: the row's tools_kwargs give
-the tool the code (create_kwargs), as verl's gsm8k rows give Gsm8kTool the ground truth. A supervised warm-up
-teaches the call format on whole conversations (the tool's answer is masked out of the loss, as in RL) with noisy
-final answers, so RL starts from a policy that calls the tool but often misreports the code; the reward (1.0 for
-the right '#### code', 0.1 for a wrong number) then rewards reading the tool's answer.
+the tool the code (create_kwargs), as verl's gsm8k rows give Gsm8kTool the ground truth. The reward is 1.0 for the
+right '#### code', 0.1 for a wrong number: about 0.19 for a guess, about 1.0 after opening the box.
+
+The supervised warm-up (warm_up_tool_model) trains on whole conversations as the agent loop lays them out: for 30%
+of the rows the call, the tool's answer (masked out of the loss, as in RL) and '#### code'; for the rest a guess
+'#### d' without the tool. It stops once the model reads the code out of the tool's answer. RL then starts from a
+policy that samples the call about a quarter of the time (and guesses when greedy), so a GRPO group of 8 holds
+both kinds of conversation, and learns to call the tool. (Warming up every row with the call and noisy answers
+instead left one digit token among ~35 trained tokens to carry the signal, and RL did not raise the reward.)
 
 Left out: anything but hermes-format calls. The model is `data.py demo`'s tiny Qwen2 at hidden size 128 (4 heads):
 at 64 it does not learn to copy the code out of the tool's answer.
@@ -208,36 +213,55 @@ def copy_accuracy(model, tokenizer, tool_map, eval_rows):
 
 
 def warm_up_tool_model(model, tokenizer, tool_map, train_rows, eval_rows, *, seed=0, call_rate=0.3, lr=3e-3,
-                       batch_size=32, check_every=20, target_copy_accuracy=0.9, max_steps=800):
-    """Supervised warm-up (demo.warm_up) on whole conversations, a call_rate share of them with the tool, until
-    the model reads the code from the tool's answer (greedy copy_accuracy >= target_copy_accuracy). It then
-    calls the tool about call_rate of the time when sampling, so RL has within-group contrast to learn from.
-    Returns {"steps", "call_probability", "copy_accuracy"} and, greedily through the agent loop (what
-    validation measures), "called_tool" and "accuracy"."""
-    examples = warmup_examples(tokenizer, tool_map, train_rows, call_rate, random.Random(seed))
-
-    def batches(step):
-        return teacher_forcing_batch([examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)],
-                                     tokenizer.pad_token_id)
+                       batch_size=32, check_every=10, target_copy_accuracy=0.9, max_steps=600):
+    """Supervised warm-up (demo.warm_up) in two phases, each until its check holds or max_steps:
+      1. reading: every example calls the tool, until greedy copy_accuracy >= target_copy_accuracy (reading the
+         code out of the tool's answer is the slow part, so it gets every example);
+      2. choosing: a call_rate share of the examples call the tool, the rest guess, until the model samples the
+         call with call_probability <= call_rate + 0.1 and still reads the code.
+    RL then starts from a policy that calls the tool on some samples and not others: GRPO's groups hold both.
+    Returns {"reading_steps", "steps", "call_probability", "copy_accuracy"} and, greedily through the agent loop
+    (what validation measures), "called_tool" and "accuracy"."""
+    rng = random.Random(seed)
+    phases = [(warmup_examples(tokenizer, tool_map, train_rows, 1.0, rng),
+               lambda m: m["copy_accuracy"] >= target_copy_accuracy),
+              (warmup_examples(tokenizer, tool_map, train_rows, call_rate, rng),
+               lambda m: m["copy_accuracy"] >= target_copy_accuracy and m["call_probability"] <= call_rate + 0.1)]
 
     def measure():
         return {"call_probability": call_probability(model, tokenizer, tool_map, eval_rows),
                 "copy_accuracy": copy_accuracy(model, tokenizer, tool_map, eval_rows)}
 
-    report = warm_up(model, batches, measure, {"copy_accuracy": target_copy_accuracy}, seed=seed, lr=lr,
-                     check_every=check_every, max_steps=max_steps)
+    reports = []
+    for phase, (examples, until) in enumerate(phases):
+        def batches(step, examples=examples):
+            return teacher_forcing_batch([examples[(step * batch_size + i) % len(examples)]
+                                          for i in range(batch_size)], tokenizer.pad_token_id)
+        reports.append(warm_up(model, batches, measure, until, seed=seed + phase, lr=lr, check_every=check_every,
+                               max_steps=max_steps))
     called, accuracy = evaluate(model, tokenizer, tool_map, eval_rows)
-    return {**report, "called_tool": called, "accuracy": accuracy}
+    return {"reading_steps": reports[0]["steps"], **reports[1], "steps": reports[0]["steps"] + reports[1]["steps"],
+            "called_tool": called, "accuracy": accuracy}
+
+
+def build_tool_tokenizer(out_dir):
+    """The demo BPE, trained with the tool conversation's text too, with TOOL_CHAT_TEMPLATE; saved to out_dir."""
+    from demo import build_tokenizer, default_tokenizer_corpus
+    corpus = default_tokenizer_corpus() + [
+        f"<|im_start|>system\nTools: {TOOL_NAME}<|im_end|>\n<|im_start|>user\n{PROMPT.format(box=b)}<|im_end|>\n"
+        f"<|im_start|>assistant\n{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>\ncode {b * 11}\n"
+        f"</tool_response><|im_end|>\n<|im_start|>assistant\n#### {b * 11}<|im_end|>\n" for b in range(10)]
+    return build_tokenizer(out_dir, corpus=corpus, chat_template=TOOL_CHAT_TEMPLATE)
 
 
 def make_assets(out_dir, **warmup):
-    """out_dir/model (tiny Qwen2 warmed up to call the tool, tokenizer with TOOL_CHAT_TEMPLATE),
-    out_dir/data/{train,test}.parquet, out_dir/tools.yaml, out_dir/warmup.json. Returns their paths.
-    `warmup`: warm_up's settings (tests stop at the first check where the model calls the tool)."""
+    """out_dir/model (tiny Qwen2 warmed up to read the tool's answer and call the tool on some prompts, tokenizer
+    with TOOL_CHAT_TEMPLATE), out_dir/data/{train,test}.parquet, out_dir/tools.yaml, out_dir/warmup.json.
+    Returns their paths. `warmup`: warm_up_tool_model's settings (tests cut it short)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
-    from demo import build_tiny_model, build_tokenizer, default_tokenizer_corpus
+    from demo import build_tiny_model
     from tools import load_tools
     out_dir = Path(out_dir)
     model_dir, data_dir = out_dir / "model", out_dir / "data"
@@ -247,13 +271,7 @@ def make_assets(out_dir, **warmup):
         pq.write_table(pa.Table.from_pylist(table), data_dir / f"{split}.parquet")
     (out_dir / "tools.yaml").write_text(yaml.safe_dump(TOOL_YAML, sort_keys=False))
     tool_map = load_tools(out_dir / "tools.yaml")
-    corpus = default_tokenizer_corpus() + [
-        f"<|im_start|>system\nTools: {TOOL_NAME}<|im_end|>\n<|im_start|>user\n{PROMPT.format(box=b)}<|im_end|>\n"
-        f"<|im_start|>assistant\n{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>\ncode {b * 11}\n"
-        f"</tool_response><|im_end|>\n<|im_start|>assistant\n#### {b * 11}<|im_end|>\n" for b in range(10)]
-    tokenizer = build_tokenizer(model_dir, corpus=corpus)
-    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
+    tokenizer = build_tool_tokenizer(model_dir)
     model = build_tiny_model(tokenizer, kind="causal", seed=0, hidden_size=128)
     warmup = warm_up_tool_model(model, tokenizer, tool_map, split_rows["train"], split_rows["test"][:32], **warmup)
     model.save_pretrained(model_dir)

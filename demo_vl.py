@@ -182,8 +182,8 @@ def warm_up_vl_model(model, processor, train_rows, eval_rows, *, seed=0, label_n
         fmt, accuracy = vl_accuracy(model, processor, eval_rows, evaluation)
         return {"format": fmt, "accuracy": accuracy}
 
-    return warm_up(model, batches, evaluate, {"format": 0.9, "accuracy": target_accuracy}, seed=seed, lr=lr,
-                   check_every=check_every, max_steps=max_steps)
+    return warm_up(model, batches, evaluate, lambda m: m["format"] >= 0.9 and m["accuracy"] >= target_accuracy,
+                   seed=seed, lr=lr, check_every=check_every, max_steps=max_steps)
 
 
 def _teacher_forcing_batch(model, examples, pad_token_id):
