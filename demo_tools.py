@@ -5,12 +5,13 @@ or the weights can predict it. The `open_box` tool (this module's BoxTool) retur
 the tool the code (create_kwargs), as verl's gsm8k rows give Gsm8kTool the ground truth. The reward is 1.0 for the
 right '#### code', 0.1 for a wrong number: about 0.19 for a guess, about 1.0 after opening the box.
 
-The supervised warm-up (warm_up_tool_model) trains on whole conversations as the agent loop lays them out: for 30%
-of the rows the call, the tool's answer (masked out of the loss, as in RL) and '#### code'; for the rest a guess
-'#### d' without the tool. It stops once the model reads the code out of the tool's answer. RL then starts from a
-policy that samples the call about a quarter of the time (and guesses when greedy), so a GRPO group of 8 holds
-both kinds of conversation, and learns to call the tool. (Warming up every row with the call and noisy answers
-instead left one digit token among ~35 trained tokens to carry the signal, and RL did not raise the reward.)
+The supervised warm-up (warm_up_tool_model) trains on whole conversations as the agent loop lays them out (the
+tool's answer masked out of the loss, as in RL), in two phases: every example calls the tool and reports its code,
+until the model reads the code out of the tool's answer; then 30% of the examples call the tool and the rest guess
+'#### d' without it, until the model samples the call on at most ~40% of the prompts. RL then starts from a policy
+that reads the tool but calls it on about a quarter of its samples (and guesses when greedy), so a GRPO group of 8
+holds both kinds of conversation, and learns to call the tool. (Warming up every row with the call and noisy
+answers instead left one digit token among ~35 trained tokens to carry the signal, and RL did not raise the reward.)
 
 Left out: anything but hermes-format calls. The model is `data.py demo`'s tiny Qwen2 at hidden size 128 (4 heads):
 at 64 it does not learn to copy the code out of the tool's answer.
@@ -155,6 +156,13 @@ def _prompt_ids(tokenizer, tool_map, row):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _call_ids(tokenizer, loop, code):
+    """The model's call (ended by its eos) and the template's tokens of the tool's answer up to the next turn."""
+    eos = tokenizer.eos_token_id
+    return (tokenizer.encode(CALL, add_special_tokens=False) + [eos],
+            loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos))
+
+
 def warmup_examples(tokenizer, tool_map, train_rows, call_rate, rng):
     """(ids, labels) of whole conversations as the agent loop lays them out. With probability call_rate: the
     prompt, the call (trained), the tool turn (not trained: label -100), '#### code' (trained); otherwise a guess
@@ -166,8 +174,7 @@ def warmup_examples(tokenizer, tool_map, train_rows, call_rate, rng):
         code = row["extra_info"]["tools_kwargs"][TOOL_NAME]["create_kwargs"]["code"]
         prompt = _prompt_ids(tokenizer, tool_map, row)
         if rng.random() < call_rate:
-            call = tokenizer.encode(CALL, add_special_tokens=False) + [eos]
-            between = loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos)
+            call, between = _call_ids(tokenizer, loop, code)
             final = tokenizer.encode(f"#### {code}", add_special_tokens=False) + [eos]
             examples.append((prompt + call + between + final,
                              [-100] * len(prompt) + call + [-100] * len(between) + final))
@@ -196,12 +203,10 @@ def copy_accuracy(model, tokenizer, tool_map, eval_rows):
     """Greedy '#### code' after the call and the tool's answer (given): how often the model reads the code."""
     from rollout import Sampling
     loop = agent_loop(tokenizer, tool_map)
-    eos = tokenizer.eos_token_id
-    call = tokenizer.encode(CALL, add_special_tokens=False) + [eos]
     prefixes = []
     for row in eval_rows:
         code = row["extra_info"]["tools_kwargs"][TOOL_NAME]["create_kwargs"]["code"]
-        between = loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos)
+        call, between = _call_ids(tokenizer, loop, code)
         prefixes.append(_prompt_ids(tokenizer, tool_map, row) + call + between)
     was_training = model.training
     model.eval()

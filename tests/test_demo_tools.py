@@ -80,7 +80,7 @@ def test_warmed_up_model_reads_the_tool_and_calls_it_on_some_samples(tools_demo)
         with torch.no_grad():
             answer = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
         read += tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True).startswith(f"#### {code}")
-    assert read >= 0.85 * len(rows)              # with the tool's answer in front of it, the model reports it
+    assert read >= 0.75 * len(rows)              # with the tool's answer in front of it, the model reports it (vs 10%)
     # a group of 8 samples holds both calls and guesses unless all 8 agree: expected share of mixed groups
     mixed = sum(1 - p ** 8 - (1 - p) ** 8 for p in call_probs) / len(call_probs)
     assert 0.05 <= sum(call_probs) / len(call_probs) <= 0.6 and mixed >= 0.5
