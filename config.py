@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+import vision
 from batch_plan import check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
                          MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
@@ -563,6 +564,12 @@ def _check_paths(cfg):
         exists("critic.model.path", cfg.critic.model.path, folder=True)
     if cfg.reward_model.enable:
         exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
+    if cfg.reward_model.enable:
+        check_reward_model_is_text(cfg.reward_model.model.path)
+    if cfg.rollout.n_gpus_per_node and vision.folder_is_vision_language(cfg.actor_rollout_ref.model.path):
+        raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
+                          f"model, which split devices do not support yet (the rollout ranks get token ids, not "
+                          f"images); unset 'rollout.n_gpus_per_node' (colocated)")
     if cfg.custom_reward_function.path:
         exists("custom_reward_function.path", cfg.custom_reward_function.path, folder=False)
     if cfg.trainer.resume_mode == "resume_path":
@@ -570,6 +577,16 @@ def _check_paths(cfg):
             raise ConfigError("trainer.resume_mode=resume_path needs 'trainer.resume_from_path' "
                               "(a .../global_step_N folder)")
         exists("trainer.resume_from_path", cfg.trainer.resume_from_path, folder=True)
+
+
+def check_reward_model_is_text(path):
+    """verl v0.5.0's reward model worker (fsdp_workers.py RewardModelWorker._build_model) loads
+    AutoModelForTokenClassification, which no vision-language model has, and feeds it no pixels: refused before
+    any model loads."""
+    if vision.folder_is_vision_language(path):
+        raise ConfigError(f"'reward_model.model.path'={path} is a vision-language model; a model-based reward needs "
+                          f"a text token-classification checkpoint (as in verl), or use a rule reward "
+                          f"(reward_model.enable=false)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

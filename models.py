@@ -29,7 +29,7 @@ import ulysses
 import vision
 from attention import attention_backend
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
-from config import ConfigError
+from config import ConfigError, check_reward_model_is_text
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
                gradient_checkpointing=False, attn_implementation="sdpa"):
     """A Hugging Face model from a local folder: kind 'causal' (actor/ref; a vision-language checkpoint loads with
     its vision tower), 'token_cls' (critic, 1 label), 'seq_cls' (reward model, 1 label). A causal-LM checkpoint
-    loaded as token_cls gets a fresh value head."""
+    loaded as token_cls gets a fresh value head (a vision-language one: vision.with_value_head)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if kind != "causal":
@@ -49,11 +49,11 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.classifier_dropout = 0.0
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    if kind != "causal" and vision.is_vision_language(config):
-        raise ConfigError(f"'{path}' is a vision-language model; minirl has no value or reward head for one yet: "
-                          f"use a critic-free estimator (algorithm.adv_estimator=grpo) and a rule reward")
+    vision_language = vision.is_vision_language(config)
     loader = {"causal": vision.causal_lm_class(config), "token_cls": AutoModelForTokenClassification,
               "seq_cls": AutoModelForSequenceClassification}[kind]
+    if kind == "token_cls" and vision_language:  # the VL model's own class, its LM head swapped for a value head
+        loader = vision.causal_lm_class(config)
     if kind != "causal":
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
                             for a in (config.architectures or []))
@@ -63,6 +63,8 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.num_labels = 1          # a causal-LM checkpoint gets a fresh one-output head
     model = loader.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
                                    attn_implementation=attn_implementation)
+    if kind == "token_cls" and vision_language:
+        model = vision.with_value_head(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -632,6 +634,7 @@ class RewardModel(Worker):
     def __init__(self, cfg, device, actor_tokenizer):
         from transformers import AutoTokenizer
         rm = cfg.reward_model
+        check_reward_model_is_text(rm.model.path)        # validation checked local paths; this, hdfs copies too
         model = load_model(rm.model.path, kind="token_cls", trust_remote_code=rm.model.trust_remote_code,
                            attn_implementation=attention_backend(device.type, rm.model.use_remove_padding))
         self.tokenizer = AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=rm.model.trust_remote_code)

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 import failures
 from batch import batch_size_of, repeat_interleave
-from config_keys import ConfigError
 from models import full_state_dict_items
 from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
 
@@ -227,10 +226,6 @@ class Pipeline:
 
     def __init__(self, trainer, bridge, seed_of):
         cfg = trainer.cfg
-        if getattr(trainer, "processor", None) is not None:
-            raise ConfigError(f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path} is a vision-language "
-                              f"model, which split devices do not support yet (images would not reach the rollout "
-                              f"ranks); unset 'rollout.n_gpus_per_node' (colocated)")
         self.trainer, self.bridge, self.seed_of = trainer, bridge, seed_of
         model = cfg.actor_rollout_ref.model
         self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path))

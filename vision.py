@@ -19,6 +19,7 @@ Leaves out: videos (a row with videos is an error), image resizing of our own (t
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -37,11 +38,39 @@ def is_vision_language(config):
     return getattr(config, "vision_config", None) is not None
 
 
+def folder_is_vision_language(path):
+    """is_vision_language from a checkpoint folder's config.json alone (no transformers, no weights): what the
+    config checks use before anything loads. False when there is no readable config.json (other checks say so)."""
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def causal_lm_class(config):
     """The Auto class that loads a generating model for `config`: image-text-to-text for a vision-language
     checkpoint (it picks the model's own class, e.g. Qwen2_5_VLForConditionalGeneration), else causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def with_value_head(model):
+    """A vision-language critic: the model's own class with its LM head swapped for a fresh one-output linear head
+    (values instead of logits), so the whole VL forward (images, rope positions, packing) is the actor's.
+    transformers has no token-classification class for these models; verl v0.5.0 (utils/model.py
+    load_valuehead_model) falls back to trl's value head on the image-text-to-text model, trained in full.
+    The head starts like transformers' classification heads (normal(0, initializer_range), zero bias) from torch's
+    seeded generator, so every rank builds the same one."""
+    text_config = model.config.get_text_config()
+    head = torch.nn.Linear(model.get_output_embeddings().in_features, 1, bias=True,
+                           dtype=model.get_output_embeddings().weight.dtype)
+    torch.nn.init.normal_(head.weight, std=text_config.initializer_range)
+    torch.nn.init.zeros_(head.bias)
+    model.set_output_embeddings(head)
+    # the LM head was tied to the input embeddings; the value head is not (and must never be re-tied to them)
+    model.config.tie_word_embeddings = text_config.tie_word_embeddings = False
+    model.config.num_labels = 1
+    return model
 
 
 def load_processor(path, trust_remote_code=False):
