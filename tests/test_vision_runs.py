@@ -86,3 +86,33 @@ def test_grpo_vl_trains_with_both_engines(grpo_vl_run, tiny_vl_dir):
     # the checkpoint's Hugging Face folder keeps the processor (image processor + chat template), not only the
     # tokenizer, so an export loads as a VL model again
     assert (step_dir / "actor" / "huggingface" / "processor_config.json").is_file()
+
+
+def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic(tiny_vl_dir, vl_data, tmp_path):
+    """PPO (GAE) with the tiny VL model as actor and as critic (vision.with_value_head), hf engine, 2 ranks: the
+    critic's metrics are logged and its vision tower and value head are trained (verl trains the critic in full)."""
+    from test_ppo import CRITIC_METRICS
+    out = tmp_path / "ppo_vl"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+             f"critic.model.path={tiny_vl_dir}", "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
+             f"data.train_files={vl_data}/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+             f"trainer.default_local_dir={out}/checkpoints", "actor_rollout_ref.rollout.name=hf",
+             "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.logger=[console]",
+             "data.train_batch_size=4", "data.max_prompt_length=64", "data.max_response_length=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-3")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [name for name in CRITIC_METRICS if name.startswith("critic/") and name not in row]
+        assert not missing, missing
+        assert row["critic/vf_loss"] > 0
+    from models import load_model
+    start = load_model(tiny_vl_dir, kind="token_cls").state_dict()
+    trained = checkpoint.consolidate(out / "checkpoints" / "global_step_2", role="critic")
+    assert trained.keys() == start.keys() and tuple(trained["lm_head.weight"].shape) == (1, 64)
+    visual = [name for name in trained if ".visual." in name]
+    assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
+    # the value head trained too: its bias starts at zero
+    assert float(trained["lm_head.bias"].abs().max()) > 1e-5
