@@ -147,11 +147,11 @@ def _model_inputs(model, batch, use_remove_padding):
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     if not use_remove_padding:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                **vision.forward_kwargs(model, batch)}, None          # images: + pixels, rope positions [3, b, L]
+                **vision.forward_kwargs(unwrapped(model), batch)}, None   # images: + pixels, rope positions [3, b, L]
     ids, pos, indices, varlen = _pack(input_ids, attention_mask, position_ids)
     packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
     return {"input_ids": ids, "position_ids": pos, **varlen,           # images: + pixels, rope positions [4, 1, nnz]
-            **vision.forward_kwargs(model, batch, indices, pos)}, packed_index
+            **vision.forward_kwargs(unwrapped(model), batch, indices, pos)}, packed_index
 
 
 def response_predicting_positions(attention_mask, response_len):
