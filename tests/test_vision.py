@@ -6,6 +6,7 @@ Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision.py -q"""
 import importlib.util
 import io
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -275,6 +276,28 @@ def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, t
     assert "responses per step 128 (train_batch_size x n), per rank 16" in printed
     # 64 rows / 32 prompts = 2 steps per epoch x 5 epochs
     assert "training steps 10" in printed
+
+
+@pytest.mark.parametrize("case", ["split", "reward_model"])
+def test_vl_on_split_devices_or_as_reward_model_is_a_config_error(tiny_vl_dir, tmp_path, case):
+    """Read from config.json before any model loads (vision.folder_is_vision_language): the command exits with a
+    config error naming the key."""
+    import subprocess
+    import sys
+    from launch import ROOT, launch_env
+    data = write_vl_rows(tmp_path / "train.parquet", [VL_PROMPT] * 4, [[png()]] * 4)
+    extra = {"split": ["trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"],
+             "reward_model": ["reward_model.enable=true", f"reward_model.model.path={tiny_vl_dir}"]}[case]
+    message = {"split": rf"'actor_rollout_ref.model.path'={tiny_vl_dir} is a vision-language model, which split "
+                        r"devices do not support yet .* unset 'rollout.n_gpus_per_node'",
+               "reward_model": rf"'reward_model.model.path'={tiny_vl_dir} is a vision-language model; a model-based "
+                               r"reward needs a text token-classification checkpoint"}[case]
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(ROOT / "config.yaml"),
+                          f"actor_rollout_ref.model.path={tiny_vl_dir}", f"data.train_files={data}",
+                          "data.val_files=null", f"af_output_dir={tmp_path / 'out'}", *extra],
+                         capture_output=True, text=True, cwd=ROOT, env=launch_env(), timeout=300)
+    assert out.returncode == 2 and re.search("config error: " + message, out.stderr), out.stderr[-2000:]
+    assert not (tmp_path / "out").exists()          # nothing ran: no output folder was made
 
 
 def test_vllm_engine_gets_the_multimodal_arguments_and_the_checkpoint(tiny_vl_dir, tiny_model_dir, tmp_path,
