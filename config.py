@@ -566,6 +566,12 @@ def _check_paths(cfg):
         exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
     if cfg.reward_model.enable:
         check_reward_model_is_text(cfg.reward_model.model.path)
+    if (cfg.algorithm.adv_estimator == "gae" and "hf_model" in cfg.critic.checkpoint.save_contents
+            and vision.folder_is_vision_language(cfg.critic.model.path)):
+        raise ConfigError(f"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
+                          f"{cfg.critic.model.path} is a vision-language model, whose value head (vision."
+                          f"with_value_head) has no Hugging Face class to save as; drop hf_model (the checkpoint "
+                          f"still resumes exactly)")
     if cfg.rollout.n_gpus_per_node and vision.folder_is_vision_language(cfg.actor_rollout_ref.model.path):
         raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
                           f"model, which split devices do not support yet (the rollout ranks get token ids, not "

@@ -49,10 +49,10 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.classifier_dropout = 0.0
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    vision_language = vision.is_vision_language(config)
+    vl_critic = kind == "token_cls" and vision.is_vision_language(config)    # no token-classification class
     loader = {"causal": vision.causal_lm_class(config), "token_cls": AutoModelForTokenClassification,
               "seq_cls": AutoModelForSequenceClassification}[kind]
-    if kind == "token_cls" and vision_language:  # the VL model's own class, its LM head swapped for a value head
+    if vl_critic:                       # the VL model's own class; its LM head becomes a value head below
         loader = vision.causal_lm_class(config)
     if kind != "causal":
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
@@ -63,7 +63,7 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.num_labels = 1          # a causal-LM checkpoint gets a fresh one-output head
     model = loader.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
                                    attn_implementation=attn_implementation)
-    if kind == "token_cls" and vision_language:
+    if vl_critic:
         model = vision.with_value_head(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

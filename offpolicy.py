@@ -18,8 +18,9 @@ So the batch trained at step k >= 2 was sampled by w_k-2 while the trainer holds
 training/rollout_probs_diff_* (vLLM) reports that gap. Validation and checkpoints first take the batch in
 flight, so a checkpoint holds it and a resumed run continues with exactly the batch the uninterrupted run had.
 
-Left out: a critic (GAE), ReMax (greedy baselines need a second generation), multi-node pools, and releasing the
-trainer while the last batch of a run is generated (the final step launches nothing).
+Left out: a critic (GAE), ReMax (greedy baselines need a second generation), vision-language models (the rollout
+ranks get token ids, not images; config.py refuses them), multi-node pools, and releasing the trainer while the last
+batch of a run is generated (the final step launches nothing).
 """
 from __future__ import annotations
 

@@ -148,3 +148,5 @@ def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic(tiny_vl_dir, vl_d
     assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
     # the value head trained too: its bias starts at zero
     assert float(trained["lm_head.bias"].abs().max()) > 1e-5
+    with pytest.raises(checkpoint.CheckpointError, match="is a vision-language critic"):
+        checkpoint.export_hf(out / "checkpoints" / "global_step_2" / "critic", tmp_path / "export")
