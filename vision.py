@@ -13,8 +13,10 @@ dp_actor.py `_forward_micro_batch`, vllm_rollout_spmd.py):
   4. training forward (models.token_logprobs): a micro-batch's multi_modal_inputs are concatenated in row order,
      and Qwen2-VL's 3-row rope positions (temporal, height, width) come from the model's own `get_rope_index`;
      the packed path prepends the 1-D text positions as a fourth row, which transformers reads as the sequence
-     boundaries.
-Leaves out: videos (a row with videos is an error), image resizing of our own (the processor decides).
+     boundaries. A VL critic runs the same forward: the model with a value head in place of its LM head
+     (with_value_head).
+Leaves out: a VL reward model (config.py refuses it: verl cannot load one), videos (a row with videos is an error),
+image resizing of our own (the processor decides).
 """
 from __future__ import annotations
 
