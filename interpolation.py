@@ -61,6 +61,8 @@ class _Resolver:
             raise self.error(chain[0], self._at(chain[0]), f"more than {MAX_DEPTH} interpolations lead from one "
                                                            f"to the next")
         chain = chain + [path]
+        if "\\${" in text:
+            raise self.error(path, text, "escaped interpolations (\\${) are not resolved; write the text another way")
         if "${" in _WHOLE.sub("", text):
             raise self.error(path, text, "interpolations nested in one another (or left unclosed) are not resolved; "
                                          "write the value instead")

@@ -121,6 +121,7 @@ def test_interpolation_forms():
     ("${...x}", r"'b.bad' .*'...x' goes up past the top of the config"),
     ("${a x}", r"'b.bad' .*'a x' is not a key like a.b.c"),
     ("${oc.select:a.nope,{k: 1}}", r"'b.bad' .*nested in one another"),
+    ("x\\${a.x}", r"'b.bad' .*escaped interpolations"),
 ])
 def test_interpolation_errors_name_the_key_and_the_expression(value, message):
     with pytest.raises(ConfigError, match=message):
@@ -130,6 +131,20 @@ def test_interpolation_errors_name_the_key_and_the_expression(value, message):
 def test_interpolations_that_refer_to_each_other_are_an_error():
     with pytest.raises(ConfigError, match=r"refer to each other: a.p -> b.q -> a.p"):
         resolve_interpolations({"a": {"p": "${b.q}"}, "b": {"q": "${a.p}"}})
+    with pytest.raises(ConfigError, match=r"refer to each other: a.p -> a.p"):
+        resolve_interpolations({"a": {"p": "${.p}"}})
+
+
+def test_interpolation_bombs_are_refused():
+    """Each level refers to the one below ten times: 10^6 values (or characters) from a few lines of yaml."""
+    lists, texts = {"l0": list(range(10))}, {"t0": "x" * 10}
+    for level in range(1, 7):
+        lists[f"l{level}"] = [f"${{l{level - 1}}}"] * 10
+        texts[f"t{level}"] = f"${{t{level - 1}}}" * 10
+    with pytest.raises(ConfigError, match=r"more than 100000 values once its interpolations are resolved"):
+        resolve_interpolations(lists)
+    with pytest.raises(ConfigError, match=r"config key 't6' .* resolves to more than 1048576 characters"):
+        resolve_interpolations(texts)
 
 
 def test_interpolations_follow_overrides_and_are_type_checked(paths):
