@@ -1,6 +1,7 @@
-"""verl v0.5.0's trainer config as data: every key of `verl/trainer/config/ppo_trainer.yaml` as verl prints it
-resolved at start-up (`python3 -m verl.trainer.main_ppo --cfg job`, the same tree as v0.5.0's
-`_generated_ppo_trainer.yaml`), with verl's default values, and what minirl does with the verl keys it does not use.
+"""verl v0.5.0's trainer config as data: every key of `verl/trainer/config/ppo_trainer.yaml` as verl composes it
+(`python3 -m verl.trainer.main_ppo --cfg job`), with verl's default values, and what minirl does with the verl keys
+it does not use. Checked key by key against v0.5.0's `verl/trainer/config/_generated_ppo_trainer.yaml`, which ships
+unchanged in tests/data/verl/; test_verl_config.py keeps the two equal (same keys, same resolved defaults).
 
 No logic here: config.py reads these tables. Interpolated defaults (`${...}`) are written as verl resolves them for
 its own defaults. Subtrees that are passed whole to a profiler or to Ray are free-form (FREE_FORM): any keys load.

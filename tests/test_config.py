@@ -1,5 +1,4 @@
 """Config loading: shapes, merge order, overrides, and every error a user can make, caught before any model loads."""
-import copy
 import json
 import shlex
 import subprocess
