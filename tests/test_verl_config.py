@@ -2,6 +2,7 @@
 and verl's `${...}` interpolations resolved as OmegaConf resolves them (hand-worked cases)."""
 import copy
 import hashlib
+import shlex
 import subprocess
 import sys
 
@@ -161,3 +162,48 @@ def test_interpolations_follow_overrides_and_are_type_checked(paths):
     assert cfg.trainer.experiment_name == "8x"               # an override may hold one too
     with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.ppo_epochs' must be int, got '/"):
         load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_epochs=${data.train_files}"])
+
+
+# verl's Ascend GRPO example (examples/grpo_trainer/run_qwen3-8b_npu.sh): its overrides as typed, paths replaced
+VERL_NPU_EXAMPLE = (
+    "algorithm.adv_estimator=grpo data.train_batch_size=256 data.max_prompt_length=512 data.max_response_length=1024 "
+    "data.filter_overlong_prompts=True data.truncation='error' actor_rollout_ref.actor.optim.lr=1e-6 "
+    "actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=64 "
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10 actor_rollout_ref.actor.use_kl_loss=True "
+    "actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl "
+    "actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.use_torch_compile=False "
+    "actor_rollout_ref.ref.use_torch_compile=False actor_rollout_ref.model.enable_gradient_checkpointing=True "
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False "
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False "
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 "
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+    "actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 "
+    "actor_rollout_ref.rollout.n=5 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 "
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0 "
+    "trainer.logger='[\"console\",\"wandb\"]' trainer.project_name=\"GRPO\" "
+    "trainer.experiment_name=\"GRPO-Qwen3-8B-npu\" "
+    "trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.device=npu trainer.resume_mode=auto "
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True actor_rollout_ref.ref.fsdp_config.forward_prefetch=True "
+    "++actor_rollout_ref.actor.entropy_from_logits_with_chunking=True "
+    "++actor_rollout_ref.ref.entropy_from_logits_with_chunking=True trainer.val_before_train=True trainer.save_freq=5 "
+    "trainer.test_freq=5 trainer.total_epochs=15")
+
+
+def test_verls_ascend_example_line_on_verls_file_through_a_shell(paths):
+    """Hydra's `++` (force-add), quoted lists and strings, trainer.device=npu, on top of verl's own file."""
+    mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
+            f"data.val_files={paths['val']}")
+    command = (f"{shlex.quote(sys.executable)} minirl.py --config {shlex.quote(str(VERL_YAML))} --print-config "
+               f"{VERL_NPU_EXAMPLE} {mine}")
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0])
+    arr = printed["actor_rollout_ref"]
+    assert arr["actor"]["entropy_from_logits_with_chunking"] is True and arr["ref"]["use_torch_compile"] is False
+    assert printed["trainer"]["logger"] == ["console", "wandb"] and printed["trainer"]["device"] == "npu"
+    assert printed["trainer"]["default_local_dir"] == "checkpoints/GRPO/GRPO-Qwen3-8B-npu"   # the file's ${...}
+    assert printed["critic"]["rollout_n"] == 5 and arr["rollout"]["response_length"] == 1024
+    # 256 prompts x 5 = 1280 responses over 8 ranks = 160 each; mini-batch 64 x 5 / 8 = 40 per rank, micro 10 -> 4
+    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
+    assert "responses per step 1280 (train_batch_size x n), per rank 160" in out.stdout
+    assert "micro-batches per mini-batch 4 (micro batch 10 per rank)" in out.stdout
