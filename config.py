@@ -16,8 +16,7 @@ Merge order: DEFAULTS, then the yaml, then CLI overrides in verl's (Hydra's) for
 Every error names the key (or file, or override) and the fix, and is raised as ConfigError before any model
 loads: malformed yaml, unknown keys, wrong types, values out of range, batch sizes that do not divide. The valid
 choices of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
-verl's `${...}` interpolations (`${a.b}`, `${.b}`, `${oc.select:a.b,default}`) are resolved once everything is
-merged (interpolation.py). Left out: Hydra's config groups and `~key` deletion.
+verl's `${...}` interpolations are resolved once all is merged (interpolation.py). Left out: config groups, `~key`.
 """
 from __future__ import annotations
 
@@ -303,7 +302,7 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
         if not parts and not isinstance(value, dict):
             raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(value)}")
         _merge(tree, _nest(parts, value), [], source)
-    resolve_interpolations(tree, f"config file '{path}' or its overrides" if path is not None else "the overrides")
+    resolve_interpolations(tree, f"config file '{path}' or an override" if path is not None else "the overrides")
     cfg = Config.wrap(tree)
     check_types(cfg)
     check_ranges(cfg)
