@@ -144,7 +144,12 @@ VERL_DEFAULTS = {
 VERL_UNDECLARED = {"data.seed": 1,                            # RLHF sampler: data_config.get("seed", 1)
                    "actor_rollout_ref.actor.optim.betas": [0.9, 0.999],   # fsdp_workers: optim_config.get("betas")
                    "critic.optim.betas": [0.9, 0.999],
-                   "critic.optim.lr_warmup_steps": -1}                    # fsdp_workers: config.optim.get(...)
+                   "critic.optim.lr_warmup_steps": -1,                    # fsdp_workers: config.optim.get(...)
+                   # fsdp_workers: fsdp_config.get("model_dtype") (null: fp32 for actor and critic, bf16 for ref) and
+                   # fsdp_config.get("mixed_precision") (null: bf16 parameters, fp32 reduction and buffers)
+                   **{f"{role}.fsdp_config.{key}": None for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                                     "critic.model")
+                      for key in ("model_dtype", "mixed_precision")}}
 
 # Subtrees handed whole to a profiler, Ray or an engine: any keys inside load.
 FREE_FORM = (

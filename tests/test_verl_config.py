@@ -207,3 +207,21 @@ def test_verls_ascend_example_line_on_verls_file_through_a_shell(paths):
     assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
     assert "responses per step 1280 (train_batch_size x n), per rank 160" in out.stdout
     assert "micro-batches per mini-batch 4 (micro batch 10 per rank)" in out.stdout
+
+
+def test_fsdp_keys_follow_verls_roles(paths):
+    """verl's ref and reward model have no optimizer (nor, for ref, fsdp_size): those keys are unknown there, as in
+    verl; model_dtype and mixed_precision (a mapping), which verl's workers read undeclared, load and go to verl
+    with Hydra's '+'."""
+    for key in ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "actor_rollout_ref.ref.fsdp_config.fsdp_size",
+                "reward_model.model.fsdp_config.offload_policy"):
+        with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+            load_config(write(paths, minimal(paths)), [f"{key}=true"], world_size=2)
+    mixed = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    overrides = [f"+{mixed}.param_dtype=fp32", "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32"]
+    cfg = load_config(write(paths, minimal(paths)), overrides, world_size=2)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision == {"param_dtype": "fp32"}
+    verl_args, minirl_only = _parse_verl_line(to_verl(cfg))
+    assert f"+{mixed}={{param_dtype: fp32}}" in verl_args
+    assert "+actor_rollout_ref.ref.fsdp_config.model_dtype=fp32" in verl_args
+    assert load_config(None, verl_args + minirl_only, world_size=2) == cfg
