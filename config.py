@@ -566,18 +566,7 @@ def _check_paths(cfg):
         exists("critic.model.path", cfg.critic.model.path, folder=True)
     if cfg.reward_model.enable:
         exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
-    if cfg.reward_model.enable:
-        check_reward_model_is_text(cfg.reward_model.model.path)
-    if (cfg.algorithm.adv_estimator == "gae" and "hf_model" in cfg.critic.checkpoint.save_contents
-            and vision.folder_is_vision_language(cfg.critic.model.path)):
-        raise ConfigError(f"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
-                          f"{cfg.critic.model.path} is a vision-language model, whose value head (vision."
-                          f"with_value_head) has no Hugging Face class to save as; drop hf_model (the checkpoint "
-                          f"still resumes exactly)")
-    if cfg.rollout.n_gpus_per_node and vision.folder_is_vision_language(cfg.actor_rollout_ref.model.path):
-        raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
-                          f"model, which split devices do not support yet (the rollout ranks get token ids, not "
-                          f"images); unset 'rollout.n_gpus_per_node' (colocated)")
+    vision.check_config(cfg)                           # from config.json: what a vision-language model cannot do
     if cfg.custom_reward_function.path:
         exists("custom_reward_function.path", cfg.custom_reward_function.path, folder=False)
     if cfg.trainer.resume_mode == "resume_path":
@@ -585,16 +574,6 @@ def _check_paths(cfg):
             raise ConfigError("trainer.resume_mode=resume_path needs 'trainer.resume_from_path' "
                               "(a .../global_step_N folder)")
         exists("trainer.resume_from_path", cfg.trainer.resume_from_path, folder=True)
-
-
-def check_reward_model_is_text(path):
-    """verl v0.5.0's reward model worker (fsdp_workers.py RewardModelWorker._build_model) loads
-    AutoModelForTokenClassification, which no vision-language model has, and feeds it no pixels: refused before
-    any model loads."""
-    if vision.folder_is_vision_language(path):
-        raise ConfigError(f"'reward_model.model.path'={path} is a vision-language model; a model-based reward needs "
-                          f"a text token-classification checkpoint (as in verl), or use a rule reward "
-                          f"(reward_model.enable=false)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

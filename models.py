@@ -29,7 +29,7 @@ import ulysses
 import vision
 from attention import attention_backend
 from batch import all_reduce_sum, balanced_partitions, batch_size_of, take
-from config import ConfigError, check_reward_model_is_text
+from config import ConfigError
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -634,7 +634,7 @@ class RewardModel(Worker):
     def __init__(self, cfg, device, actor_tokenizer):
         from transformers import AutoTokenizer
         rm = cfg.reward_model
-        check_reward_model_is_text(rm.model.path)        # validation checked local paths; this, hdfs copies too
+        vision.check_reward_model_is_text(rm.model.path)   # validation checked local paths; this, hdfs copies
         model = load_model(rm.model.path, kind="token_cls", trust_remote_code=rm.model.trust_remote_code,
                            attn_implementation=attention_backend(device.type, rm.model.use_remove_padding))
         self.tokenizer = AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=rm.model.trust_remote_code)

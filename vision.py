@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from config_keys import ConfigError
+
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 
@@ -47,6 +49,31 @@ def folder_is_vision_language(path):
         return "vision_config" in json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
+
+
+def check_config(cfg):
+    """ConfigError, before any model loads, for what a vision-language checkpoint (seen in its config.json) cannot
+    do here: be the reward model, be trained on split devices, or save its critic as a Hugging Face model."""
+    if cfg.reward_model.enable:
+        check_reward_model_is_text(cfg.reward_model.model.path)
+    if cfg.rollout.n_gpus_per_node and folder_is_vision_language(cfg.actor_rollout_ref.model.path):
+        raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
+                          f"model, which split devices do not support yet (the rollout ranks get token ids, not "
+                          f"images); unset 'rollout.n_gpus_per_node' (colocated)")
+    if (cfg.algorithm.adv_estimator == "gae" and "hf_model" in cfg.critic.checkpoint.save_contents
+            and folder_is_vision_language(cfg.critic.model.path)):
+        raise ConfigError(f"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
+                          f"{cfg.critic.model.path} is a vision-language model, whose value head (with_value_head) "
+                          f"has no Hugging Face class to save as; drop hf_model (the checkpoint still resumes exactly)")
+
+
+def check_reward_model_is_text(path):
+    """verl v0.5.0's reward model worker (fsdp_workers.py RewardModelWorker._build_model) loads
+    AutoModelForTokenClassification, which no vision-language model has, and feeds it no pixels: refused."""
+    if folder_is_vision_language(path):
+        raise ConfigError(f"'reward_model.model.path'={path} is a vision-language model; a model-based reward needs "
+                          f"a text token-classification checkpoint (as in verl), or use a rule reward "
+                          f"(reward_model.enable=false)")
 
 
 def causal_lm_class(config):
