@@ -65,6 +65,8 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
                                    attn_implementation=attn_implementation)
     if vl_critic:
         model = vision.with_value_head(model)
+    elif kind != "causal":              # the saved config.json names the class whose weights it holds (as
+        model.config.architectures = [type(model).__name__]     # save_pretrained does): hf_model reloads as it
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
