@@ -16,7 +16,7 @@ Merge order: DEFAULTS, then the yaml, then CLI overrides in verl's (Hydra's) for
 Every error names the key (or file, or override) and the fix, and is raised as ConfigError before any model
 loads: malformed yaml, unknown keys, wrong types, values out of range, batch sizes that do not divide. The valid
 choices of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
-Left out: Hydra's interpolations (`${...}`), config groups and `~key` deletion.
+verl's `${...}` interpolations are resolved once all is merged (interpolation.py). Left out: config groups, `~key`.
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ from pathlib import Path
 
 import yaml
 
+import vision
 from batch_plan import check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
                          MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
                          set_dotted)
+from interpolation import resolve_interpolations
 from verl_keys import NO_EFFECT, VERL_DEFAULTS, VERL_UNDECLARED
 
 __all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect", "to_verl",
@@ -301,6 +303,7 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
         if not parts and not isinstance(value, dict):
             raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(value)}")
         _merge(tree, _nest(parts, value), [], source)
+    resolve_interpolations(tree, f"config file '{path}' or an override" if path is not None else "the overrides")
     cfg = Config.wrap(tree)
     check_types(cfg)
     check_ranges(cfg)
@@ -310,7 +313,7 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Derived values (verl's ${...} interpolations and "inherit from actor" defaults)
+# Derived values (what verl's `${...}` defaults compute, for the keys minirl's table leaves null)
 
 def derive(cfg):
     data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
@@ -563,6 +566,7 @@ def _check_paths(cfg):
         exists("critic.model.path", cfg.critic.model.path, folder=True)
     if cfg.reward_model.enable:
         exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
+    vision.check_config(cfg)                           # from config.json: what a vision-language model cannot do
     if cfg.custom_reward_function.path:
         exists("custom_reward_function.path", cfg.custom_reward_function.path, folder=False)
     if cfg.trainer.resume_mode == "resume_path":

@@ -1,6 +1,7 @@
-"""verl v0.5.0's trainer config as data: every key of `verl/trainer/config/ppo_trainer.yaml` as verl prints it
-resolved at start-up (`python3 -m verl.trainer.main_ppo --cfg job`, the same tree as v0.5.0's
-`_generated_ppo_trainer.yaml`), with verl's default values, and what minirl does with the verl keys it does not use.
+"""verl v0.5.0's trainer config as data: every key of `verl/trainer/config/ppo_trainer.yaml` as verl composes it
+(`python3 -m verl.trainer.main_ppo --cfg job`), with verl's default values, and what minirl does with the verl keys
+it does not use. Checked key by key against v0.5.0's `verl/trainer/config/_generated_ppo_trainer.yaml`, which ships
+unchanged in tests/data/verl/; test_verl_config.py keeps the two equal (same keys, same resolved defaults).
 
 No logic here: config.py reads these tables. Interpolated defaults (`${...}`) are written as verl resolves them for
 its own defaults. Subtrees that are passed whole to a profiler or to Ray are free-form (FREE_FORM): any keys load.
@@ -10,7 +11,7 @@ Any key named `_target_` (the dataclass verl builds from a section) is accepted 
 _FSDP = {"wrap_policy": {"min_num_params": 0}, "param_offload": False, "optimizer_offload": False,
          "offload_policy": False, "reshard_after_forward": True, "fsdp_size": -1, "forward_prefetch": False}
 _CHECKPOINT = {"save_contents": ["model", "optimizer", "extra"], "load_contents": ["model", "optimizer", "extra"]}
-_PROFILER = {"discrete": False, "all_ranks": False, "ranks": []}
+_PROFILER = {"_target_": "verl.utils.profiler.ProfilerConfig", "discrete": False, "all_ranks": False, "ranks": []}
 _LOG_PROB = {"log_prob_micro_batch_size": None, "log_prob_micro_batch_size_per_gpu": None,
              "log_prob_use_dynamic_bsz": False, "log_prob_max_token_len_per_gpu": 16384}
 
@@ -46,14 +47,14 @@ VERL_DEFAULTS = {
             "optim": {"lr": 1e-6, "lr_warmup_steps_ratio": 0.0, "total_training_steps": -1, "weight_decay": 0.01,
                       "lr_warmup_steps": -1, "min_lr_ratio": 0.0, "num_cycles": 0.5, "warmup_style": "constant"},
             "grad_clip": 1.0, "ulysses_sequence_parallel_size": 1, "entropy_from_logits_with_chunking": False,
-            "entropy_checkpointing": False, "fsdp_config": dict(_FSDP), "profiler": dict(_PROFILER),
+            "entropy_checkpointing": False, "fsdp_config": dict(_FSDP),
         },
         "ref": {
             "strategy": "fsdp", "use_torch_compile": True, **_LOG_PROB,
             "fsdp_config": {"param_offload": False, "reshard_after_forward": True, "forward_prefetch": False,
                             "wrap_policy": {"min_num_params": 0}},
             "ulysses_sequence_parallel_size": 1, "entropy_from_logits_with_chunking": False,
-            "entropy_checkpointing": False, "profiler": dict(_PROFILER),
+            "entropy_checkpointing": False,
         },
         "rollout": {
             "name": "vllm", "mode": "sync", "temperature": 1.0, "top_k": -1, "top_p": 1, "prompt_length": 512,
@@ -75,11 +76,11 @@ VERL_DEFAULTS = {
                       "custom_async_server": {"path": None, "name": None}},
             "update_weights_bucket_megabytes": 512, "trace": {"backend": None, "token2text": False},
             "enable_chunked_prefill": True, "load_format": "dummy_dtensor", "layered_summon": False,
-            "profiler": dict(_PROFILER),
         },
+        "profiler": dict(_PROFILER),       # one for the actor, ref and rollout roles of the fused worker
     },
     "critic": {
-        "rollout_n": 1, "strategy": "fsdp",
+        "_target_": "verl.trainer.config.FSDPCriticConfig", "rollout_n": 1, "strategy": "fsdp",
         "optim": {"lr": 1e-5, "lr_warmup_steps_ratio": 0.0, "min_lr_ratio": None, "warmup_style": "constant",
                   "total_training_steps": -1, "weight_decay": 0.01},
         "model": {"path": "~/models/deepseek-llm-7b-chat", "tokenizer_path": "~/models/deepseek-llm-7b-chat",
@@ -98,7 +99,7 @@ VERL_DEFAULTS = {
         "enable": False, "strategy": "fsdp",
         "model": {"input_tokenizer": "~/models/deepseek-llm-7b-chat", "path": "~/models/FsfairX-LLaMA3-RM-v0.1",
                   "external_lib": None, "use_remove_padding": False, "use_fused_kernels": False,
-                  "trust_remote_code": False,
+                  "trust_remote_code": False, "use_shm": False,
                   "fsdp_config": {"wrap_policy": {"min_num_params": 0}, "param_offload": False,
                                   "reshard_after_forward": True, "fsdp_size": -1, "forward_prefetch": False}},
         "micro_batch_size": None, "micro_batch_size_per_gpu": None, "max_length": None,
@@ -113,7 +114,8 @@ VERL_DEFAULTS = {
         "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False, "kl_penalty": "kl",
         "kl_ctrl": {"_target_": "verl.trainer.config.KLControlConfig", "type": "fixed", "kl_coef": 0.001,
                     "horizon": 10000, "target_kl": 0.1},
-        "use_pf_ppo": False, "pf_ppo": {"reweight_method": "pow", "weight_pow": 2.0},
+        "use_pf_ppo": False,
+        "pf_ppo": {"_target_": "verl.trainer.config.PFPPOConfig", "reweight_method": "pow", "weight_pow": 2.0},
     },
     "trainer": {
         "balance_batch": True, "total_epochs": 30, "total_training_steps": None, "profile_steps": None,
@@ -122,7 +124,7 @@ VERL_DEFAULTS = {
         "worker_nsight_options": {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true",
                                   "cuda-graph-trace": "graph", "capture-range": "cudaProfilerApi",
                                   "capture-range-end": None, "kill": "none"},
-        "npu_profile": {"options": {"save_path": "./profiler_data", "roles": ["all"], "level": "level1",
+        "npu_profile": {"options": {"save_path": "./profiler_data", "level": "level1",
                                     "with_memory": False, "record_shapes": False, "with_npu": True, "with_cpu": True,
                                     "with_module": False, "with_stack": False, "analysis": True}},
         "project_name": "verl_examples", "experiment_name": "gsm8k", "logger": ["console", "wandb"],
@@ -132,6 +134,7 @@ VERL_DEFAULTS = {
         "default_hdfs_dir": None, "del_local_ckpt_after_load": False,
         "default_local_dir": "checkpoints/verl_examples/gsm8k", "max_actor_ckpt_to_keep": None,
         "max_critic_ckpt_to_keep": None, "ray_wait_register_center_timeout": 300, "device": "cuda",
+        "use_legacy_worker_impl": "auto",
     },
     "ray_init": {"num_cpus": None, "timeline_json_file": None},
 }
@@ -140,12 +143,18 @@ VERL_DEFAULTS = {
 # --to-verl passes them with Hydra's '+'.
 VERL_UNDECLARED = {"data.seed": 1,                            # RLHF sampler: data_config.get("seed", 1)
                    "actor_rollout_ref.actor.optim.betas": [0.9, 0.999],   # fsdp_workers: optim_config.get("betas")
-                   "critic.optim.betas": [0.9, 0.999]}
+                   "critic.optim.betas": [0.9, 0.999],
+                   "critic.optim.lr_warmup_steps": -1,                    # fsdp_workers: config.optim.get(...)
+                   # fsdp_workers: fsdp_config.get("model_dtype") (null: fp32 for actor and critic, bf16 for ref) and
+                   # fsdp_config.get("mixed_precision") (null: bf16 parameters, fp32 reduction and buffers)
+                   **{f"{role}.fsdp_config.{key}": None for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                                     "critic.model")
+                      for key in ("model_dtype", "mixed_precision")}}
 
 # Subtrees handed whole to a profiler, Ray or an engine: any keys inside load.
 FREE_FORM = (
-    "actor_rollout_ref.actor.profiler", "actor_rollout_ref.ref.profiler", "actor_rollout_ref.rollout.profiler",
-    "critic.profiler", "reward_model.profiler", "trainer.controller_nsight_options", "trainer.worker_nsight_options",
+    "actor_rollout_ref.profiler", "critic.profiler", "reward_model.profiler", "trainer.controller_nsight_options",
+    "trainer.worker_nsight_options",
     "trainer.npu_profile", "ray_init",
 )
 
@@ -184,6 +193,7 @@ NO_EFFECT = {
     "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
     "reward_model.model.external_lib": "not imported",
     "reward_model.model.use_fused_kernels": "no fused kernels",
+    "reward_model.model.use_shm": "models are read from their local path",
     "reward_model.ulysses_sequence_parallel_size": "the reward model runs without sequence parallelism",
     "reward_model.launch_reward_fn_async": "rewards are computed in the step",
     "reward_model.sandbox_fusion.max_concurrent": "no sandbox is used",
@@ -205,10 +215,9 @@ NO_EFFECT = {
     "trainer.npu_profile.": "no profiler",
     "trainer.esi_redundant_time": "no elastic-server checkpointing",
     "trainer.ray_wait_register_center_timeout": "no Ray",
+    "trainer.use_legacy_worker_impl": "minirl has one worker implementation",
     "ray_init.": "no Ray",
-    "actor_rollout_ref.actor.profiler.": "no profiler",
-    "actor_rollout_ref.ref.profiler.": "no profiler",
-    "actor_rollout_ref.rollout.profiler.": "no profiler",
+    "actor_rollout_ref.profiler.": "no profiler",
     "critic.profiler.": "no profiler",
     "reward_model.profiler.": "no profiler",
 }

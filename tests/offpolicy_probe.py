@@ -74,7 +74,9 @@ def replay(record_path, out_path, *overrides):
 
     def init_with_the_recorded_threads(self, cfg):
         init(self, cfg)
-        torch.set_num_threads(recorded["threads"])     # CPU float sums depend on the thread count
+        # CPU float sums depend on the thread count, and Adam turns that rounding into real steps on a mini-batch
+        # whose exact gradient is 0 (README, Determinism): the update is bitwise equal at the same count only
+        torch.set_num_threads(recorded["threads"])
 
     def replaying_generate(self, batch, sampling, purpose):
         if purpose != "train":

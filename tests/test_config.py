@@ -1,5 +1,4 @@
 """Config loading: shapes, merge order, overrides, and every error a user can make, caught before any model loads."""
-import copy
 import json
 import shlex
 import subprocess
@@ -292,50 +291,7 @@ def test_vllm_tensor_parallel_group_stays_inside_a_node(paths):
 # ----------------------------------------------------------------------------------------------------------------
 # Coming from verl, going to verl
 
-# Keys of verl v0.5.0's resolved trainer config that minirl once refused as unknown; named here so the test below
-# cannot pass on a verl_keys table that lacks them.
-VERL_050_KEYS = ["ray_init.num_cpus", "ray_init.timeline_json_file", "trainer.profile_steps",
-                 "trainer.esi_redundant_time", "trainer.ray_wait_register_center_timeout",
-                 "actor_rollout_ref.rollout.agent.num_workers", "actor_rollout_ref.rollout.agent.custom_async_server.path",
-                 "algorithm._target_", "algorithm.use_pf_ppo", "algorithm.pf_ppo.weight_pow", "data.sampler.class_path",
-                 "data.datagen.name", "data.return_multi_modal_inputs", "reward_model.sandbox_fusion.url",
-                 "reward_model.sandbox_fusion.memory_limit_mb", "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
-                 "actor_rollout_ref.actor.policy_loss.clip_cov_lb", "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
-                 "actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
-                 "critic.optim.min_lr_ratio", "actor_rollout_ref.rollout.multi_stage_wake_up",
-                 "actor_rollout_ref.rollout.trace.backend", "actor_rollout_ref.model.fused_kernel_options.impl_backend",
-                 "actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend"]
-
-
-def verl_tree(paths):
-    """verl v0.5.0's whole resolved trainer config (verl_keys.VERL_DEFAULTS), with a model, data and the micro
-    batches minirl needs (verl's defaults leave them null), GRPO (verl's default gae needs a critic model)."""
-    from verl_keys import VERL_DEFAULTS
-    tree = copy.deepcopy(VERL_DEFAULTS)
-    tree["data"].update(train_files=paths["train"], val_files=paths["val"])
-    tree["actor_rollout_ref"]["model"]["path"] = paths["model"]
-    tree["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 4
-    for worker in ("rollout", "ref"):
-        tree["actor_rollout_ref"][worker]["log_prob_micro_batch_size_per_gpu"] = 8
-    tree["algorithm"]["adv_estimator"] = "grpo"
-    return tree
-
-
-def test_verl_050_trainer_config_loads_whole_and_plans_for_its_8_ranks(paths):
-    from verl_keys import VERL_DEFAULTS
-    from config import get_dotted
-    for dotted in VERL_050_KEYS:
-        get_dotted(VERL_DEFAULTS, dotted)              # raises KeyError if the documented tree lacks it
-    assert get_dotted(VERL_DEFAULTS, "critic.optim.min_lr_ratio") is None
-    path = write(paths, verl_tree(paths), "verl.yaml")
-    assert settings_without_effect(load_config(path, world_size=8)) == []   # verl's defaults warn about nothing
-    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--print-config"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
-    # 1024 prompts x n=1 over 8 ranks; mini-batch 256 x 1 / 8 = 32 per rank, micro 4 -> 8 micro-batches
-    assert "responses per step 1024 (train_batch_size x n), per rank 128" in out.stdout
-    assert "micro-batches per mini-batch 8 (micro batch 4 per rank)" in out.stdout
+# (verl v0.5.0's own trainer config, loaded unchanged: tests/test_verl_config.py)
 
 
 def test_world_size_for_planning(paths, monkeypatch):
@@ -427,10 +383,3 @@ def test_to_verl_round_trips_through_minirls_loader(paths):
     assert {item.split("=")[0] for item in minirl_only} == {"af_output_dir", "trainer.seed"}
     original = load_config(path, world_size=2)
     assert load_config(None, verl_args + minirl_only, world_size=2) == original
-
-
-def test_to_verl_round_trips_verls_whole_config(paths):
-    from config import to_verl
-    original = load_config(write(paths, verl_tree(paths), "verl.yaml"), world_size=8)
-    verl_args, minirl_only = _parse_verl_line(to_verl(original))
-    assert load_config(None, verl_args + minirl_only, world_size=8) == original

@@ -87,6 +87,39 @@ def test_packed_cpu_attention_never_spans_sequences(tiny_model_dir, monkeypatch)
     assert torch.allclose(packed[response_mask], expected[response_mask], atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_cpu_attention_matches_each_sequence_alone_in_float64(threads):
+    """minirl_varlen on one packed row of 11 sequences (1 to 700 tokens: buckets of several lengths, and long
+    enough that sdpa's CPU kernel works in several query and key blocks), grouped-query heads, at 1 and 2 torch
+    threads: each sequence's output is causal attention over that sequence alone computed in float64, to fp32
+    rounding, and running a sequence alone through minirl_varlen changes it by rounding only."""
+    import types
+
+    import torch.nn.functional as F
+    import attention
+    lengths = [700, 530, 300, 257, 129, 64, 63, 33, 31, 5, 1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, sum(lengths), 32, generator=g) for heads in (4, 2, 2))   # [1, H, nnz, d]
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    pieces = list(zip(bounds[:-1], bounds[1:]))
+    module = types.SimpleNamespace(training=False)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = attention.varlen_cpu_attention(module, q, k, v, None,
+                                                cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32))[0][0]
+        alone = [attention.varlen_cpu_attention(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None)[0][0]
+                 for s, e in pieces]                                                  # each [L, Hq, d]
+    finally:
+        torch.set_num_threads(threads_before)
+    for (s, e), single in zip(pieces, alone):
+        qq, kk, vv = (x[0, :, s:e].double() for x in (q, k, v))                       # [H, L, d]
+        expected = F.scaled_dot_product_attention(qq, kk.repeat_interleave(2, 0), vv.repeat_interleave(2, 0),
+                                                  is_causal=True).transpose(0, 1)      # [L, Hq, d]
+        torch.testing.assert_close(packed[s:e].double(), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(single, packed[s:e], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("device, remove_padding, flash_installed, expected", [
     ("cpu", True, False, "minirl_varlen"), ("cpu", False, False, "sdpa"),
     ("cuda", True, True, "flash_attention_2"), ("cuda", True, False, "minirl_varlen"), ("cuda", False, True, "sdpa"),

@@ -1,0 +1,227 @@
+"""verl v0.5.0's own trainer config (tests/data/verl, copied unchanged from the release) through minirl's loader,
+and verl's `${...}` interpolations resolved as OmegaConf resolves them (hand-worked cases)."""
+import copy
+import hashlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from config import ConfigError, load_config, settings_without_effect, to_verl
+from interpolation import resolve_interpolations
+from test_config import ROOT, _parse_verl_line, minimal, paths, write  # noqa: F401  (paths is a fixture)
+from verl_keys import VERL_DEFAULTS
+
+VERL_YAML = ROOT / "tests" / "data" / "verl" / "_generated_ppo_trainer.yaml"
+VERL_YAML_SHA256 = "2038dd7a3a264d3f66176dbdc277a71ced22e3e7da474392807daf1ab8e4cb2f"   # tests/data/verl/README.md
+
+
+def _leaves(tree, prefix=""):
+    """{dotted key: value} for every leaf (an empty mapping is a leaf)."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            found.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            found[prefix + key] = value
+    return found
+
+
+def test_the_shipped_file_is_verls_unchanged():
+    assert hashlib.sha256(VERL_YAML.read_bytes()).hexdigest() == VERL_YAML_SHA256
+
+
+def test_verl_keys_holds_exactly_the_keys_and_defaults_of_verls_file():
+    raw = yaml.safe_load(VERL_YAML.read_text())
+    assert raw["critic"]["rollout_n"] == "${oc.select:actor_rollout_ref.rollout.n,1}"      # shipped unresolved
+    resolved = _leaves(resolve_interpolations(copy.deepcopy(raw)))
+    ours = _leaves(VERL_DEFAULTS)
+    assert sorted(set(resolved) - set(ours)) == [] and sorted(set(ours) - set(resolved)) == []
+    assert {key: value for key, value in resolved.items() if ours[key] != value} == {}
+    # a few resolved by hand from the file's text
+    assert resolved["trainer.default_local_dir"] == "checkpoints/verl_examples/gsm8k"
+    assert resolved["critic.model.tokenizer_path"] == "~/models/deepseek-llm-7b-chat"
+    assert resolved["reward_model.forward_max_token_len_per_gpu"] == 32768    # -> critic's -> critic.ppo_max_...
+    assert resolved["actor_rollout_ref.actor.checkpoint.load_contents"] == ["model", "optimizer", "extra"]
+
+
+def _user_overrides(paths):
+    """What a verl user adds to the file on the command line: their model and data, micro-batches (verl's file
+    leaves them null), and a few values the file's interpolations must follow."""
+    return [f"actor_rollout_ref.model.path={paths['model']}", f"critic.model.path={paths['model']}",
+            f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=128", "data.max_prompt_length=256",
+            "trainer.project_name=p", "actor_rollout_ref.actor.use_dynamic_bsz=true"]
+
+
+def test_verls_file_loads_unchanged_and_plans_for_its_8_ranks(paths):
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(VERL_YAML), "--print-config",
+                          *_user_overrides(paths)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0])
+    arr, critic, rm = printed["actor_rollout_ref"], printed["critic"], printed["reward_model"]
+    # the file's interpolations, resolved after the overrides (as OmegaConf resolves them, lazily)
+    assert critic["ppo_mini_batch_size"] == 128 and arr["rollout"]["prompt_length"] == 256
+    assert critic["model"]["tokenizer_path"] == paths["model"] == rm["model"]["input_tokenizer"]
+    assert critic["use_dynamic_bsz"] is True and rm["use_dynamic_bsz"] is True           # -> critic's -> actor's
+    assert arr["ref"]["log_prob_use_dynamic_bsz"] is True and arr["rollout"]["log_prob_use_dynamic_bsz"] is True
+    assert printed["trainer"]["default_local_dir"] == "checkpoints/p/gsm8k"
+    assert critic["forward_max_token_len_per_gpu"] == 32768 and arr["ref"]["strategy"] == "fsdp"
+    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
+    # 1024 prompts x n=1 over 8 ranks = 128 per rank; mini-batch 128 / 8 = 16 per rank -> 8 mini-batches per step
+    assert "responses per step 1024 (train_batch_size x n), per rank 128" in out.stdout
+    assert "mini-batches per step 8, 16 responses per rank each" in out.stdout
+
+
+def test_verls_defaults_warn_about_nothing(paths):
+    cfg = load_config(VERL_YAML, _user_overrides(paths), world_size=8)
+    assert settings_without_effect(cfg) == []
+
+
+def test_to_verl_round_trips_verls_own_file(paths):
+    original = load_config(VERL_YAML, _user_overrides(paths), world_size=8)
+    verl_args, minirl_only = _parse_verl_line(to_verl(original))
+    assert load_config(None, verl_args + minirl_only, world_size=8) == original
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Interpolations, by hand
+
+def test_interpolation_forms():
+    tree = {"a": {"x": 3, "n": None, "s": "text", "l": [1, 2], "missing": "???",
+                  "absolute": "${a.x}", "relative": "${.x}", "up": "${..b.y}", "in_text": "run-${a.x}-${.s}/${a.n}",
+                  "select": "${oc.select:a.x,7}", "select_absent": "${oc.select:a.nope,7}",
+                  "select_null": "${oc.select:a.n,7}", "select_missing": "${oc.select:a.missing,7}",
+                  "select_no_default": "${oc.select:a.nope}", "select_quoted": '${oc.select:a.nope,"x,y"}',
+                  "select_list": "${oc.select:a.nope,[]}", "select_bool": "${oc.select:a.nope,false}",
+                  "select_word": "${oc.select:a.nope,token-mean}", "select_relative": "${oc.select:.x,0}",
+                  "chain": "${a.absolute}", "list": "${.l}"},
+            "b": {"y": "${a.chain}", "items": ["${a.x}", 5], "section": "${a.l}"}}
+    resolve_interpolations(tree)
+    a = tree["a"]
+    assert (a["absolute"], a["relative"], a["up"], a["chain"], tree["b"]["y"]) == (3, 3, 3, 3, 3)
+    assert a["in_text"] == "run-3-text/None"                 # text around interpolations: str() of each value
+    assert (a["select"], a["select_absent"], a["select_null"], a["select_missing"]) == (3, 7, None, 7)
+    assert (a["select_no_default"], a["select_quoted"], a["select_list"]) == (None, "x,y", [])
+    assert (a["select_bool"], a["select_word"], a["select_relative"]) == (False, "token-mean", 3)
+    assert tree["b"]["items"] == [3, 5]
+    a["list"].append(9)                                      # a copy, not the same list
+    assert a["l"] == [1, 2] and tree["b"]["section"] == [1, 2]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("${a.nope}", r"config key 'b.bad' = '\$\{a.nope\}' \(the test\): 'a.nope' is not a key of the config"),
+    ("${oc.env:HOME}", r"'b.bad' .*the resolver 'oc.env' is not one minirl resolves"),
+    ("${oc.select:a.x,${a.x}}", r"'b.bad' .*nested in one another"),
+    ("x ${a.x", r"'b.bad' .*left unclosed"),
+    ("${...x}", r"'b.bad' .*'...x' goes up past the top of the config"),
+    ("${a x}", r"'b.bad' .*'a x' is not a key like a.b.c"),
+    ("${oc.select:a.nope,{k: 1}}", r"'b.bad' .*nested in one another"),
+    ("x\\${a.x}", r"'b.bad' .*escaped interpolations"),
+])
+def test_interpolation_errors_name_the_key_and_the_expression(value, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_interpolations({"a": {"x": 1}, "b": {"bad": value}}, "the test")
+
+
+def test_interpolations_that_refer_to_each_other_are_an_error():
+    with pytest.raises(ConfigError, match=r"refer to each other: a.p -> b.q -> a.p"):
+        resolve_interpolations({"a": {"p": "${b.q}"}, "b": {"q": "${a.p}"}})
+    with pytest.raises(ConfigError, match=r"refer to each other: a.p -> a.p"):
+        resolve_interpolations({"a": {"p": "${.p}"}})
+
+
+def test_interpolation_bombs_are_refused():
+    """Each level refers to the one below ten times: 10^6 values (or characters) from a few lines of yaml."""
+    lists, texts = {"l0": list(range(10))}, {"t0": "x" * 10}
+    for level in range(1, 7):
+        lists[f"l{level}"] = [f"${{l{level - 1}}}"] * 10
+        texts[f"t{level}"] = f"${{t{level - 1}}}" * 10
+    with pytest.raises(ConfigError, match=r"more than 100000 values once its interpolations are resolved"):
+        resolve_interpolations(lists)
+    with pytest.raises(ConfigError, match=r"config key 't6' .* resolves to more than 1048576 characters"):
+        resolve_interpolations(texts)
+
+
+def test_interpolations_follow_overrides_and_are_type_checked(paths):
+    select = "${oc.select:actor_rollout_ref.actor.ppo_mini_batch_size,256}"
+    tree = minimal(paths, critic={"ppo_mini_batch_size": select},
+                   trainer={"experiment_name": "${trainer.project_name}-grpo"},
+                   actor_rollout_ref__rollout__response_length="${backend_config.data.max_response_length}")
+    cfg = load_config(write(paths, tree), ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.project_name=p",
+                                           "data.max_response_length=64"], world_size=2)
+    assert cfg.critic.ppo_mini_batch_size == 8                # the override, not the yaml's 4
+    assert cfg.trainer.experiment_name == "p-grpo" and cfg.actor_rollout_ref.rollout.response_length == 64
+    cfg = load_config(write(paths, minimal(paths)), ["+trainer.experiment_name=${data.train_batch_size}x"],
+                      world_size=2)
+    assert cfg.trainer.experiment_name == "8x"               # an override may hold one too
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.ppo_epochs' must be int, got '/"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_epochs=${data.train_files}"])
+
+
+# verl's Ascend GRPO example (examples/grpo_trainer/run_qwen3-8b_npu.sh): its overrides as typed, paths replaced
+VERL_NPU_EXAMPLE = (
+    "algorithm.adv_estimator=grpo data.train_batch_size=256 data.max_prompt_length=512 data.max_response_length=1024 "
+    "data.filter_overlong_prompts=True data.truncation='error' actor_rollout_ref.actor.optim.lr=1e-6 "
+    "actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=64 "
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10 actor_rollout_ref.actor.use_kl_loss=True "
+    "actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl "
+    "actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.use_torch_compile=False "
+    "actor_rollout_ref.ref.use_torch_compile=False actor_rollout_ref.model.enable_gradient_checkpointing=True "
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False "
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False "
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 "
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2 "
+    "actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 "
+    "actor_rollout_ref.rollout.n=5 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 "
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0 "
+    "trainer.logger='[\"console\",\"wandb\"]' trainer.project_name=\"GRPO\" "
+    "trainer.experiment_name=\"GRPO-Qwen3-8B-npu\" "
+    "trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.device=npu trainer.resume_mode=auto "
+    "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True actor_rollout_ref.ref.fsdp_config.forward_prefetch=True "
+    "++actor_rollout_ref.actor.entropy_from_logits_with_chunking=True "
+    "++actor_rollout_ref.ref.entropy_from_logits_with_chunking=True trainer.val_before_train=True trainer.save_freq=5 "
+    "trainer.test_freq=5 trainer.total_epochs=15")
+
+
+def test_verls_ascend_example_line_on_verls_file_through_a_shell(paths):
+    """Hydra's `++` (force-add), quoted lists and strings, trainer.device=npu, on top of verl's own file."""
+    mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
+            f"data.val_files={paths['val']}")
+    command = (f"{shlex.quote(sys.executable)} minirl.py --config {shlex.quote(str(VERL_YAML))} --print-config "
+               f"{VERL_NPU_EXAMPLE} {mine}")
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0])
+    arr = printed["actor_rollout_ref"]
+    assert arr["actor"]["entropy_from_logits_with_chunking"] is True and arr["ref"]["use_torch_compile"] is False
+    assert printed["trainer"]["logger"] == ["console", "wandb"] and printed["trainer"]["device"] == "npu"
+    assert printed["trainer"]["default_local_dir"] == "checkpoints/GRPO/GRPO-Qwen3-8B-npu"   # the file's ${...}
+    assert printed["critic"]["rollout_n"] == 5 and arr["rollout"]["response_length"] == 1024
+    # 256 prompts x 5 = 1280 responses over 8 ranks = 160 each; mini-batch 64 x 5 / 8 = 40 per rank, micro 10 -> 4
+    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
+    assert "responses per step 1280 (train_batch_size x n), per rank 160" in out.stdout
+    assert "micro-batches per mini-batch 4 (micro batch 10 per rank)" in out.stdout
+
+
+def test_fsdp_keys_follow_verls_roles(paths):
+    """verl's ref and reward model have no optimizer (nor, for ref, fsdp_size): those keys are unknown there, as in
+    verl; model_dtype and mixed_precision (a mapping), which verl's workers read undeclared, load and go to verl
+    with Hydra's '+'."""
+    for key in ("actor_rollout_ref.ref.fsdp_config.optimizer_offload", "actor_rollout_ref.ref.fsdp_config.fsdp_size",
+                "reward_model.model.fsdp_config.offload_policy"):
+        with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+            load_config(write(paths, minimal(paths)), [f"{key}=true"], world_size=2)
+    mixed = "actor_rollout_ref.actor.fsdp_config.mixed_precision"
+    overrides = [f"+{mixed}.param_dtype=fp32", "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32"]
+    cfg = load_config(write(paths, minimal(paths)), overrides, world_size=2)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision == {"param_dtype": "fp32"}
+    verl_args, minirl_only = _parse_verl_line(to_verl(cfg))
+    assert f"+{mixed}={{param_dtype: fp32}}" in verl_args
+    assert "+actor_rollout_ref.ref.fsdp_config.model_dtype=fp32" in verl_args
+    assert load_config(None, verl_args + minirl_only, world_size=2) == cfg
