@@ -192,7 +192,7 @@ class PhaseClock:
         import torch
         inner = getattr(trainer, method)
 
-        def timed(*a, **k):
+        def clocked(*a, **k):
             if only_without_grad and torch.is_grad_enabled():
                 return inner(*a, **k)
             start = time.perf_counter()
@@ -200,7 +200,7 @@ class PhaseClock:
                 return inner(*a, **k)
             finally:
                 self.spent[phase] = self.spent.get(phase, 0.0) + time.perf_counter() - start
-        setattr(trainer, method, timed)
+        setattr(trainer, method, clocked)
 
     def callback(self, base, responses, path):
         clock = self
