@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import attention  # noqa: E402
 import flops  # noqa: E402
 from losses import entropy_from_logits, logprobs_from_logits  # noqa: E402
-from models import _model_inputs, token_logprobs  # noqa: E402
+from forward import _model_inputs, token_logprobs  # noqa: E402
 from timing import seconds_per_call  # noqa: E402
 
 VOCAB_152K = 151936          # Qwen2's vocabulary

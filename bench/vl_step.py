@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
-from models import load_model, token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
+from models import load_model  # noqa: E402
 from rollout import responses_to_batch  # noqa: E402
 from step import run_demo_steps  # noqa: E402
 from timing import median_seconds  # noqa: E402
