@@ -3,8 +3,8 @@
 The trainer calls two functions (a "role" is a trained model: the actor and, for PPO, the critic; any object with
 .model (FSDP2), .optimizer, .scheduler, .checkpoint_counters() and .load_checkpoint_counters(dict)):
 
-    step = checkpoint.resume(cfg, {"actor": actor}, loader)      # in Trainer.__init__: 0 when starting fresh
-    checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer)   # every save_freq steps and the last
+    step, row = checkpoint.resume(cfg, {"actor": actor}, loader)  # in Trainer.__init__: (0, None) when fresh
+    checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer, metrics=row)   # every save_freq steps, the last
 
 and the command line exports a checkpoint without torchrun:
 
@@ -26,7 +26,8 @@ verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, 
               lora_adapter/                  LoRA only: adapter_model.safetensors + adapter_config.json, peft's
                                              format (PeftModel.from_pretrained(base, this folder))
         data.pt                              the prompt loader's position (epoch, batches done)
-        trainer_state.json                   global step (+ state of any extra stateful object, e.g. a KL controller)
+        trainer_state.json                   global step, the step's metrics row (+ state of any extra stateful
+                                             object, e.g. a KL controller)
         manifest.json                        every file above with its size and blake2b checksum: the "complete"
                                              marker, written last
 
@@ -188,9 +189,11 @@ def due(save_freq, step, is_last):
     return save_freq > 0 and (is_last or step % save_freq == 0)
 
 
-def save(cfg, step, roles, loader, tokenizer, stateful=None):
+def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
     """Write global_step_<step> (all ranks call this). `stateful`: extra {name: object with state_dict()},
-    JSON-serialisable, kept in trainer_state.json (e.g. {"kl_ctrl": controller})."""
+    JSON-serialisable, kept in trainer_state.json (e.g. {"kl_ctrl": controller}). `metrics`: the step's
+    metrics row, kept there too: the trainer appends it to metrics.jsonl after the save, so a run killed in
+    between gets it back on resume."""
     rank, world_size = _rank_and_world()
     root = Path(cfg.trainer.default_local_dir)
     final = root / f"global_step_{step}"
@@ -206,7 +209,7 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None):
         _save_role(staging / name, role, contents, tokenizer, rank, world_size)
     if rank == 0:
         torch.save(loader.state_dict(), staging / "data.pt")
-        trainer_state = {"global_step": step,
+        trainer_state = {"global_step": step, "metrics": metrics,
                          "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
         (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier()
@@ -480,17 +483,17 @@ def _torch_load(path):
 
 
 def resume(cfg, roles, loader, stateful=None):
-    """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch).
-    Also checks the save settings, so a bad save_contents fails before training starts."""
+    """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch) and that step's
+    metrics row as saved with it (None when starting fresh or from a checkpoint saved without one). Also checks the save settings, so a bad save_contents fails before training starts."""
     for name in roles:
         save_contents(cfg, name)
     trainer = cfg.trainer
     if trainer.resume_mode == "disable":
-        return 0
+        return 0, None
     if trainer.resume_mode == "auto":
         step_dir = _agreed_auto_choice(trainer.default_local_dir)
         if step_dir is None:
-            return 0
+            return 0, None
     elif not trainer.resume_from_path:
         raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path: the "
                               ".../global_step_N folder to resume from")
@@ -512,7 +515,7 @@ def resume(cfg, roles, loader, stateful=None):
         obj.load_state_dict(trainer_state["stateful"][key])
     _log(f"resumed from {step_dir} (global step {trainer_state['global_step']}, data epoch {loader.epoch}, "
          f"{loader.batches_done_in_epoch} batches of it done)")
-    return trainer_state["global_step"]
+    return trainer_state["global_step"], trainer_state.get("metrics")
 
 
 def _load_role(folder, role, contents, rank, world_size):

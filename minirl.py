@@ -165,8 +165,8 @@ class Trainer:
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
         if self.pipeline is not None:
             self.stateful["offpolicy"] = self.pipeline        # the generated batch a checkpoint takes with it
-        self.global_step = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
-        self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step)
+        self.global_step, saved_row = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
+        self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step, saved_row=saved_row)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):
@@ -412,16 +412,17 @@ class Trainer:
                     start = time.perf_counter()
                     metrics.update(self.validate())
                     metrics["timing_s/testing"] = time.perf_counter() - start
+                metrics["training/global_step"] = self.global_step
+                metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
+                metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
                     if self.pipeline is not None:
                         self.pipeline.settle()        # the batch in flight goes into the checkpoint
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader,
-                                    self.processor or self.tokenizer, self.stateful)    # VL: the processor too
+                    # the row goes in too: a kill between the save and the append below must not lose the step
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.processor or self.tokenizer,
+                                    self.stateful, metrics=dict(metrics))    # VL: the processor too
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-                metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
-                metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 self.tracker.log(metrics, step=self.global_step)
                 bar.update(1)
                 if skipped:

@@ -150,6 +150,22 @@ def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir,
     assert [r["training/epoch"] for r in resumed] == [1, 1, 2]
 
 
+def test_a_kill_between_the_save_and_the_metrics_append_loses_no_row(run_a, demo_dir, data_file, tmp_path):
+    """The state a kill leaves right after the step-4 checkpoint is in place but before step 4's row reaches
+    metrics.jsonl (found killing a run by hand: the resumed file went 1, 2, 3, 5): made from run_a's files, then
+    resumed. The checkpoint keeps the step's row, so the file reads 1..5 with run_a's numbers."""
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints" / "global_step_5")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:3]))
+    train(demo_dir, data_file, out)
+    rows = metric_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows == metric_rows(run_a / "metrics.jsonl")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resume_path and Hugging Face export
 
