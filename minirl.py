@@ -52,6 +52,7 @@ import failures
 import flops
 import losses
 import offpolicy
+import ulysses
 import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
@@ -142,6 +143,7 @@ class Trainer:
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
+        ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
