@@ -539,15 +539,15 @@ def main(argv=None):
         return 0
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        if int(os.environ.get("RANK", "0")) == 0 and not args.to_verl:
+            for warning in settings_without_effect(cfg):
+                print(f"warning: {warning}", file=sys.stderr)
         if args.print_config:
             print_config(cfg, *planning_world_size(cfg, args.world_size))
             return 0
         if args.to_verl:
             print(to_verl(cfg, args.world_size), end="")
             return 0
-        if int(os.environ.get("RANK", "0")) == 0:
-            for warning in settings_without_effect(cfg):
-                print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
             print(f"config error: {err}", file=sys.stderr)
