@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import vision
 from config import get_dotted
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -593,9 +594,12 @@ def export_hf(ckpt, out, merge_adapter=False):
         raise CheckpointError(f"'{ckpt / role}' has no {LORA_DIR}/ (it was not trained with LoRA): export it "
                               f"without --merge-adapter")
     read_manifest(ckpt)
+    hf_dir = ckpt / role / "huggingface"
+    if role == "critic" and vision.folder_is_vision_language(hf_dir):
+        raise CheckpointError(f"'{ckpt / role}' is a vision-language critic: its value head (vision.with_value_head) "
+                              f"has no Hugging Face class to export to; the checkpoint resumes, it does not export")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = ckpt / role / "huggingface"
     if adapter_dir.is_dir() and not merge_adapter:
         import lora
         lora.export_adapter(adapter_dir, hf_dir, out)

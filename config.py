@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+import vision
 from batch_plan import check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
                          MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
@@ -565,6 +566,7 @@ def _check_paths(cfg):
         exists("critic.model.path", cfg.critic.model.path, folder=True)
     if cfg.reward_model.enable:
         exists("reward_model.model.path", cfg.reward_model.model.path, folder=True)
+    vision.check_config(cfg)                           # from config.json: what a vision-language model cannot do
     if cfg.custom_reward_function.path:
         exists("custom_reward_function.path", cfg.custom_reward_function.path, folder=False)
     if cfg.trainer.resume_mode == "resume_path":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import vision
 from config import ConfigError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"      # peft's names (its config: adapter_config.json)
@@ -49,10 +50,10 @@ def check_target_modules(model_cfg):
     empty (meta-device) copy built from config.json, so nothing is loaded. The message lists the layer names
     that exist."""
     from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+        model = vision.causal_lm_class(config).from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     output_layer = model.get_output_embeddings()
     linear = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) and module is not output_layer]

@@ -40,7 +40,7 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
                gradient_checkpointing=False, attn_implementation="sdpa"):
     """A Hugging Face model from a local folder: kind 'causal' (actor/ref; a vision-language checkpoint loads with
     its vision tower), 'token_cls' (critic, 1 label), 'seq_cls' (reward model, 1 label). A causal-LM checkpoint
-    loaded as token_cls gets a fresh value head."""
+    loaded as token_cls gets a fresh value head (a vision-language one: vision.with_value_head)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if kind != "causal":
@@ -49,11 +49,11 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.classifier_dropout = 0.0
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    if kind != "causal" and vision.is_vision_language(config):
-        raise ConfigError(f"'{path}' is a vision-language model; minirl has no value or reward head for one yet: "
-                          f"use a critic-free estimator (algorithm.adv_estimator=grpo) and a rule reward")
+    vl_critic = kind == "token_cls" and vision.is_vision_language(config)    # no token-classification class
     loader = {"causal": vision.causal_lm_class(config), "token_cls": AutoModelForTokenClassification,
               "seq_cls": AutoModelForSequenceClassification}[kind]
+    if vl_critic:                       # the VL model's own class; its LM head becomes a value head below
+        loader = vision.causal_lm_class(config)
     if kind != "causal":
         is_classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
                             for a in (config.architectures or []))
@@ -63,6 +63,10 @@ def load_model(path, kind="causal", dtype=torch.float32, override_config=None, t
         config.num_labels = 1          # a causal-LM checkpoint gets a fresh one-output head
     model = loader.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
                                    attn_implementation=attn_implementation)
+    if vl_critic:
+        model = vision.with_value_head(model)
+    elif kind != "causal":              # the saved config.json names the class whose weights it holds (as
+        model.config.architectures = [type(model).__name__]     # save_pretrained does): hf_model reloads as it
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -145,11 +149,11 @@ def _model_inputs(model, batch, use_remove_padding):
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     if not use_remove_padding:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                **vision.forward_kwargs(model, batch)}, None          # images: + pixels, rope positions [3, b, L]
+                **vision.forward_kwargs(unwrapped(model), batch)}, None   # images: + pixels, rope positions [3, b, L]
     ids, pos, indices, varlen = _pack(input_ids, attention_mask, position_ids)
     packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
     return {"input_ids": ids, "position_ids": pos, **varlen,           # images: + pixels, rope positions [4, 1, nnz]
-            **vision.forward_kwargs(model, batch, indices, pos)}, packed_index
+            **vision.forward_kwargs(unwrapped(model), batch, indices, pos)}, packed_index
 
 
 def response_predicting_positions(attention_mask, response_len):
@@ -632,6 +636,7 @@ class RewardModel(Worker):
     def __init__(self, cfg, device, actor_tokenizer):
         from transformers import AutoTokenizer
         rm = cfg.reward_model
+        vision.check_reward_model_is_text(rm.model.path)   # validation checked local paths; this, hdfs copies
         model = load_model(rm.model.path, kind="token_cls", trust_remote_code=rm.model.trust_remote_code,
                            attn_implementation=attention_backend(device.type, rm.model.use_remove_padding))
         self.tokenizer = AutoTokenizer.from_pretrained(rm.model.path, trust_remote_code=rm.model.trust_remote_code)

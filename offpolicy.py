@@ -18,8 +18,9 @@ So the batch trained at step k >= 2 was sampled by w_k-2 while the trainer holds
 training/rollout_probs_diff_* (vLLM) reports that gap. Validation and checkpoints first take the batch in
 flight, so a checkpoint holds it and a resumed run continues with exactly the batch the uninterrupted run had.
 
-Left out: a critic (GAE), ReMax (greedy baselines need a second generation), multi-node pools, and releasing the
-trainer while the last batch of a run is generated (the final step launches nothing).
+Left out: a critic (GAE), ReMax (greedy baselines need a second generation), vision-language models (the rollout
+ranks get token ids, not images; config.py refuses them), multi-node pools, and releasing the trainer while the last
+batch of a run is generated (the final step launches nothing).
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ import torch.distributed as dist
 
 import failures
 from batch import batch_size_of, repeat_interleave
-from config_keys import ConfigError
 from models import full_state_dict_items
 from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
 
@@ -227,10 +227,6 @@ class Pipeline:
 
     def __init__(self, trainer, bridge, seed_of):
         cfg = trainer.cfg
-        if getattr(trainer, "processor", None) is not None:
-            raise ConfigError(f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path} is a vision-language "
-                              f"model, which split devices do not support yet (images would not reach the rollout "
-                              f"ranks); unset 'rollout.n_gpus_per_node' (colocated)")
         self.trainer, self.bridge, self.seed_of = trainer, bridge, seed_of
         model = cfg.actor_rollout_ref.model
         self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path))

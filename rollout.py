@@ -318,6 +318,8 @@ def vllm_engine_kwargs(cfg, device):
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if lora.enabled(model):      # verl: one adapter at a time, rank rounded up to one vLLM supports
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(model.lora_rank))
+        if vision.folder_is_vision_language(model.path):     # all-linear adapts the vision tower and merger too;
+            kwargs["enable_tower_connector_lora"] = True      # without this vLLM would serve them unadapted
     kwargs.update(passthrough_engine_kwargs(rollout.engine_kwargs.get("vllm") or {}))
     return kwargs
 

@@ -13,16 +13,21 @@ dp_actor.py `_forward_micro_batch`, vllm_rollout_spmd.py):
   4. training forward (models.token_logprobs): a micro-batch's multi_modal_inputs are concatenated in row order,
      and Qwen2-VL's 3-row rope positions (temporal, height, width) come from the model's own `get_rope_index`;
      the packed path prepends the 1-D text positions as a fourth row, which transformers reads as the sequence
-     boundaries.
-Leaves out: videos (a row with videos is an error), image resizing of our own (the processor decides).
+     boundaries. A VL critic runs the same forward: the model with a value head in place of its LM head
+     (with_value_head).
+Leaves out: a VL reward model (config.py refuses it: verl cannot load one), videos (a row with videos is an error),
+image resizing of our own (the processor decides).
 """
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
 import torch
+
+from config_keys import ConfigError
 
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
@@ -37,11 +42,64 @@ def is_vision_language(config):
     return getattr(config, "vision_config", None) is not None
 
 
+def folder_is_vision_language(path):
+    """is_vision_language from a checkpoint folder's config.json alone (no transformers, no weights): what the
+    config checks use before anything loads. False when there is no readable config.json (other checks say so)."""
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def check_config(cfg):
+    """ConfigError, before any model loads, for what a vision-language checkpoint (seen in its config.json) cannot
+    do here: be the reward model, be trained on split devices, or save its critic as a Hugging Face model."""
+    if cfg.reward_model.enable:
+        check_reward_model_is_text(cfg.reward_model.model.path)
+    if cfg.rollout.n_gpus_per_node and folder_is_vision_language(cfg.actor_rollout_ref.model.path):
+        raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
+                          f"model, which split devices do not support yet (the rollout ranks get token ids, not "
+                          f"images); unset 'rollout.n_gpus_per_node' (colocated)")
+    if (cfg.algorithm.adv_estimator == "gae" and "hf_model" in cfg.critic.checkpoint.save_contents
+            and folder_is_vision_language(cfg.critic.model.path)):
+        raise ConfigError(f"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
+                          f"{cfg.critic.model.path} is a vision-language model, whose value head (with_value_head) "
+                          f"has no Hugging Face class to save as; drop hf_model (the checkpoint still resumes exactly)")
+
+
+def check_reward_model_is_text(path):
+    """verl v0.5.0's reward model worker (fsdp_workers.py RewardModelWorker._build_model) loads
+    AutoModelForTokenClassification, which no vision-language model has, and feeds it no pixels: refused."""
+    if folder_is_vision_language(path):
+        raise ConfigError(f"'reward_model.model.path'={path} is a vision-language model; a model-based reward needs "
+                          f"a text token-classification checkpoint (as in verl), or use a rule reward "
+                          f"(reward_model.enable=false)")
+
+
 def causal_lm_class(config):
     """The Auto class that loads a generating model for `config`: image-text-to-text for a vision-language
     checkpoint (it picks the model's own class, e.g. Qwen2_5_VLForConditionalGeneration), else causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def with_value_head(model):
+    """A vision-language critic: the model's own class with its LM head swapped for a fresh one-output linear head
+    (values instead of logits), so the whole VL forward (images, rope positions, packing) is the actor's.
+    transformers has no token-classification class for these models; verl v0.5.0 (utils/model.py
+    load_valuehead_model) falls back to trl's value head on the image-text-to-text model, trained in full.
+    The head starts like transformers' classification heads (normal(0, initializer_range), zero bias) from torch's
+    seeded generator, so every rank builds the same one."""
+    text_config = model.config.get_text_config()
+    head = torch.nn.Linear(model.get_output_embeddings().in_features, 1, bias=True,
+                           dtype=model.get_output_embeddings().weight.dtype)
+    torch.nn.init.normal_(head.weight, std=text_config.initializer_range)
+    torch.nn.init.zeros_(head.bias)
+    model.set_output_embeddings(head)
+    # the LM head was tied to the input embeddings; the value head is not (and must never be re-tied to them)
+    model.config.tie_word_embeddings = text_config.tie_word_embeddings = False
+    model.config.num_labels = 1
+    return model
 
 
 def load_processor(path, trust_remote_code=False):

@@ -1,5 +1,7 @@
 """PPO: a learned critic with GAE, a reward model, and KL in the reward, through the real trainer (torchrun)."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,29 @@ def test_ppo_checkpoint_resumes_critic_and_kl_controller_exactly(demo_dir, ppo_m
         tmp_path / "resumed" / "metrics.jsonl")
     assert resumed[3] == straight[3]
     assert "critic/vf_loss" in resumed[3] and resumed[3]["actor/reward_kl_penalty_coeff"] != 0.001
+
+
+def test_critic_from_a_causal_lm_checkpoint_saves_and_exports_as_hugging_face(demo_dir, tmp_path):
+    """verl's usual setup: critic.model.path is the causal-LM base model, which gets a fresh value head. Its
+    hf_model checkpoint and --export must reload as a token-classification model holding the trained weights."""
+    from transformers import AutoModelForTokenClassification
+
+    import checkpoint
+    out = tmp_path / "run"
+    torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", *base_overrides(demo_dir, out, 1),
+             f"critic.model.path={demo_dir}/model", "trainer.save_freq=1", "trainer.logger=[console]",
+             "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
+    step = out / "checkpoints" / "global_step_1"
+    trained = checkpoint.consolidate(step, "critic")
+    subprocess.run([sys.executable, "minirl.py", "--export", step / "critic", tmp_path / "export"], cwd=ROOT,
+                   check=True, capture_output=True)
+    for folder in (step / "critic" / "huggingface", tmp_path / "export"):
+        model = AutoModelForTokenClassification.from_pretrained(folder, dtype=torch.float32)
+        assert model.config.num_labels == 1
+        reloaded = model.state_dict()
+        assert set(trained) <= set(reloaded), folder
+        for name, tensor in trained.items():
+            assert torch.equal(reloaded[name], tensor), (folder, name)
 
 
 # each critic-free estimator's formula, named here (not looked up in losses.ADVANTAGE_ESTIMATORS, the table the

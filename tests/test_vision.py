@@ -6,6 +6,7 @@ Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_vision.py -q"""
 import importlib.util
 import io
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +16,7 @@ import torch
 import vision
 from data import RLHFDataset, collate
 from demo_vl import COLOURS, VL_PROMPT, render_square
-from models import load_model, token_logprobs
+from models import load_model, token_logprobs, token_values
 from rollout import responses_to_batch
 from test_vllm import clean_env  # noqa: F401  (fixture)
 
@@ -128,7 +129,9 @@ def test_text_model_refuses_rows_with_images(processor, tmp_path):
 # ------------------------------------------------------------------------------------------------------------
 # Forward: padded, packed, and a plain forward of the processor's outputs
 # ------------------------------------------------------------------------------------------------------------
-def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path):
+def image_batch(processor, config, tmp_path):
+    """Three rows (one image, none, two of different sizes) with random responses of 5, 8 and 3 tokens, the last
+    ending at a generated image placeholder: (dataset rows, the full batch, the responses)."""
     prompts = [VL_PROMPT, "Say hi.", "<image> and <image>: which is red?"]
     images = [[png("red")], [], [png("green", seed=1), png("blue", size=112)]]
     ds = RLHFDataset(write_vl_rows(tmp_path / "f.parquet", prompts, images), processor.tokenizer,
@@ -137,12 +140,29 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     batch = collate(rows)
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(10, 300, (n,), generator=generator).tolist() for n in (5, 8, 3)]
-    model = load_model(tiny_vl_dir).eval()
     # the rollout ends a response at a generated image placeholder, as at EOS (row 2 ends with one)
-    stops = [processor.tokenizer.eos_token_id, *vision.special_token_ids(model.config)]
-    responses[2][-1] = model.config.image_token_id
+    stops = [processor.tokenizer.eos_token_id, *vision.special_token_ids(config)]
+    responses[2][-1] = config.image_token_id
     full = {**batch, **responses_to_batch(batch, responses, 8, processor.tokenizer.pad_token_id, stops)}
     assert full["response_mask"][2].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    return rows, full, responses
+
+
+def plain_forward(model, row, response, **kwargs):
+    """The model on one unpadded sequence (the last response token is only a label) with the processor's inputs
+    and the model's own positions; returns (model output, prompt length)."""
+    prompt = row["input_ids"][row["attention_mask"].bool()]
+    ids = torch.cat([prompt, torch.tensor(response[:-1])]).unsqueeze(0)
+    inputs = dict(row.get("multi_modal_inputs") or {})
+    if inputs:
+        inputs["mm_token_type_ids"] = vision.token_types(model.config, ids)
+    with torch.no_grad():
+        return model(input_ids=ids, **inputs, **kwargs), len(prompt)
+
+
+def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path):
+    model = load_model(tiny_vl_dir).eval()
+    rows, full, responses = image_batch(processor, model.config, tmp_path)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     with torch.no_grad():
         padded, _ = token_logprobs(model, full, use_remove_padding=False)
@@ -153,13 +173,8 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     # independent: the model on each unpadded sequence (the last response token is only a label), with the
     # processor's inputs and its own positions
     for i, row in enumerate(rows):
-        prompt = row["input_ids"][row["attention_mask"].bool()]
-        ids = torch.cat([prompt, torch.tensor(responses[i][:-1])]).unsqueeze(0)
-        kwargs = dict(row.get("multi_modal_inputs") or {})
-        if kwargs:
-            kwargs["mm_token_type_ids"] = vision.token_types(model.config, ids)
-        with torch.no_grad():
-            logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1:]
+        out, prompt_len = plain_forward(model, row, responses[i])
+        logits = out.logits[0, prompt_len - 1:]
         expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(responses[i]).unsqueeze(1))[:, 0]
         assert torch.allclose(padded[i, :len(responses[i])], expected, atol=1e-5), i
 
@@ -167,6 +182,39 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     flipped = [{**m, "pixel_values": m["pixel_values"].flip(0)} if m else m for m in full["multi_modal_inputs"]]
     with torch.no_grad():
         other, _ = token_logprobs(model, {**full, "multi_modal_inputs": flipped}, use_remove_padding=True)
+    assert float((other - packed)[0][mask[0]].abs().max()) > 1e-4
+
+
+def test_vl_critic_values_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path):
+    """The critic is the VL model with a one-output value head in place of the LM head (vision.with_value_head):
+    its values come from the actor's VL forward (images, rope positions, packing)."""
+    from transformers import AutoModelForImageTextToText
+    torch.manual_seed(3)
+    critic = load_model(tiny_vl_dir, kind="token_cls").eval()
+    rows, full, responses = image_batch(processor, critic.config, tmp_path)
+    head = critic.get_output_embeddings()
+    assert tuple(head.weight.shape) == (1, 64) and head.bias is not None
+    assert float(head.weight.detach().std()) == pytest.approx(0.02, rel=0.5) and not head.bias.any()
+    with torch.no_grad():
+        padded = token_values(critic, full, use_remove_padding=False)
+        packed = token_values(critic, full, use_remove_padding=True)
+    mask = full["response_mask"].bool()
+    assert float((padded - packed)[mask].abs().max()) < 1e-5
+    assert not padded[~mask].any()
+
+    # independent: the plain VL model from the same checkpoint, its final hidden states, then the head; values are
+    # read at verl's slice [:, -R-1:-1] (the state before each response token)
+    plain = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32).eval()
+    for i, row in enumerate(rows):
+        out, prompt_len = plain_forward(plain, row, responses[i], output_hidden_states=True)
+        hidden = out.hidden_states[-1][0, prompt_len - 1:]                        # [len(response), H]
+        expected = (hidden @ head.weight.T + head.bias)[:, 0]
+        assert torch.allclose(padded[i, :len(responses[i])], expected, atol=1e-5), i
+
+    # the images matter: other pixels, other values
+    flipped = [{**m, "pixel_values": m["pixel_values"].flip(0)} if m else m for m in full["multi_modal_inputs"]]
+    with torch.no_grad():
+        other = token_values(critic, {**full, "multi_modal_inputs": flipped}, use_remove_padding=True)
     assert float((other - packed)[0][mask[0]].abs().max()) > 1e-4
 
 
@@ -228,6 +276,32 @@ def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, t
     assert "responses per step 128 (train_batch_size x n), per rank 16" in printed
     # 64 rows / 32 prompts = 2 steps per epoch x 5 epochs
     assert "training steps 10" in printed
+
+
+@pytest.mark.parametrize("case", ["split", "reward_model", "critic_hf_model"])
+def test_vl_on_split_devices_or_as_reward_model_is_a_config_error(tiny_vl_dir, tmp_path, case):
+    """Read from config.json before any model loads (vision.folder_is_vision_language): the command exits with a
+    config error naming the key. (A VL critic's value head has no Hugging Face class, so no hf_model for it.)"""
+    import subprocess
+    import sys
+    from launch import ROOT, launch_env
+    data = write_vl_rows(tmp_path / "train.parquet", [VL_PROMPT] * 4, [[png()]] * 4)
+    extra = {"split": ["trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"],
+             "reward_model": ["reward_model.enable=true", f"reward_model.model.path={tiny_vl_dir}"],
+             "critic_hf_model": ["algorithm.adv_estimator=gae", f"critic.model.path={tiny_vl_dir}",
+                                 "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]}[case]
+    message = {"split": rf"'actor_rollout_ref.model.path'={tiny_vl_dir} is a vision-language model, which split "
+                        r"devices do not support yet .* unset 'rollout.n_gpus_per_node'",
+               "reward_model": rf"'reward_model.model.path'={tiny_vl_dir} is a vision-language model; a model-based "
+                               r"reward needs a text token-classification checkpoint",
+               "critic_hf_model": rf"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
+                                  rf"{tiny_vl_dir} is a vision-language model"}[case]
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(ROOT / "config.yaml"),
+                          f"actor_rollout_ref.model.path={tiny_vl_dir}", f"data.train_files={data}",
+                          "data.val_files=null", f"af_output_dir={tmp_path / 'out'}", *extra],
+                         capture_output=True, text=True, cwd=ROOT, env=launch_env(), timeout=300)
+    assert out.returncode == 2 and re.search("config error: " + message, out.stderr), out.stderr[-2000:]
+    assert not (tmp_path / "out").exists()          # nothing ran: no output folder was made
 
 
 def test_vllm_engine_gets_the_multimodal_arguments_and_the_checkpoint(tiny_vl_dir, tiny_model_dir, tmp_path,

@@ -29,10 +29,14 @@ def vl_data(tmp_path_factory):
     return out
 
 
-def test_vllm_follows_the_actor_on_image_prompts(tiny_vl_dir, vl_data, tmp_path):
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_vllm_follows_the_actor_on_image_prompts(tiny_vl_dir, vl_data, tmp_path, mode):
+    """Full weights, or LoRA adapters (all-linear: the vision tower's too, served by vLLM's tower LoRA)."""
     torchrun(2, "tests/vllm_vl_sync_check.py", tiny_vl_dir, vl_data / "test.parquet", tmp_path / "records.pt",
-             tmp_path / "run")
+             tmp_path / "run", mode)
     for record in torch.load(tmp_path / "records.pt", weights_only=False):
+        if mode == "lora":           # the base is frozen: what moved in the vision tower is its adapters
+            assert any(".lora_B." in name for name in record["vision_names"])
         before, after, stale = record["before"], record["after"], record["stale_vision"]
         assert int(after["mask"].sum()) >= 8
         assert masked_max_abs(before["vllm"], before["actor"], before["mask"]) < 1e-4
@@ -41,7 +45,7 @@ def test_vllm_follows_the_actor_on_image_prompts(tiny_vl_dir, vl_data, tmp_path)
         assert record["vision_change"] > 1e-4 and len(record["vision_names"]) > 10
         assert masked_max_abs(after["vllm"], after["actor"], after["mask"]) < 1e-4
         assert masked_max_abs(after["vllm"], after["disk"], after["mask"]) > 1e-3
-        # a sync that leaves the vision tower stale is caught by the same comparison
+        # a sync that leaves the vision tower stale (LoRA: its adapters left out) is caught by the same comparison
         assert masked_max_abs(stale["vllm"], stale["actor"], stale["mask"]) > 1e-4
 
 
@@ -86,3 +90,63 @@ def test_grpo_vl_trains_with_both_engines(grpo_vl_run, tiny_vl_dir):
     # the checkpoint's Hugging Face folder keeps the processor (image processor + chat template), not only the
     # tokenizer, so an export loads as a VL model again
     assert (step_dir / "actor" / "huggingface" / "processor_config.json").is_file()
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_grpo_vl_with_lora_trains_the_vision_towers_adapters(tiny_vl_dir, vl_data, tmp_path, engine):
+    """LoRA (verl's all-linear) on the VL model, 2 ranks, both engines: the adapters of the vision tower train
+    too, and vLLM serves them (training/rollout_probs_diff_max at fp32 noise)."""
+    from safetensors.torch import load_file
+    out = tmp_path / f"lora_{engine}"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+             f"data.train_files={vl_data}/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+             f"trainer.default_local_dir={out}/checkpoints", f"actor_rollout_ref.rollout.name={engine}",
+             "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.model.lora_rank=8",
+             "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.model.target_modules=all-linear",
+             "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.logger=[console]",
+             "data.train_batch_size=4", "data.max_prompt_length=64", "data.max_response_length=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-2",
+             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [name for name in VERL_NAMES if name not in row and name != "timing_s/old_log_prob"]
+        assert not missing, missing
+        if engine == "vllm":
+            assert row["training/rollout_probs_diff_max"] < 1e-4
+    adapter = load_file(out / "checkpoints" / "global_step_2" / "actor" / "lora_adapter" / "adapter_model.safetensors")
+    visual_b = [name for name in adapter if ".visual." in name and ".lora_B." in name]
+    assert visual_b and max(float(adapter[name].abs().max()) for name in visual_b) > 0     # lora_B starts at zero
+
+
+def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic(tiny_vl_dir, vl_data, tmp_path):
+    """PPO (GAE) with the tiny VL model as actor and as critic (vision.with_value_head), hf engine, 2 ranks: the
+    critic's metrics are logged and its vision tower and value head are trained (verl trains the critic in full)."""
+    from test_ppo import CRITIC_METRICS
+    out = tmp_path / "ppo_vl"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+             f"critic.model.path={tiny_vl_dir}", "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
+             f"data.train_files={vl_data}/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+             f"trainer.default_local_dir={out}/checkpoints", "actor_rollout_ref.rollout.name=hf",
+             "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.logger=[console]",
+             "data.train_batch_size=4", "data.max_prompt_length=64", "data.max_response_length=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+             "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-3")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [name for name in CRITIC_METRICS if name.startswith("critic/") and name not in row]
+        assert not missing, missing
+        assert row["critic/vf_loss"] > 0
+    from models import load_model
+    start = load_model(tiny_vl_dir, kind="token_cls").state_dict()
+    trained = checkpoint.consolidate(out / "checkpoints" / "global_step_2", role="critic")
+    assert trained.keys() == start.keys() and tuple(trained["lm_head.weight"].shape) == (1, 64)
+    visual = [name for name in trained if ".visual." in name]
+    assert visual and max(float((trained[n] - start[n]).abs().max()) for n in visual) > 1e-5
+    # the value head trained too: its bias starts at zero
+    assert float(trained["lm_head.bias"].abs().max()) > 1e-5
+    with pytest.raises(checkpoint.CheckpointError, match="is a vision-language critic"):
+        checkpoint.export_hf(out / "checkpoints" / "global_step_2" / "critic", tmp_path / "export")

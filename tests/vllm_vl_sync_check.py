@@ -1,12 +1,14 @@
 """The colocated vLLM engine against the FSDP2 actor on image prompts, for tests/test_vision_runs.py:
 
-    torchrun --nproc_per_node 2 tests/vllm_vl_sync_check.py VL_MODEL_DIR DATA.parquet OUT.pt RUN_DIR
+    torchrun --nproc_per_node 2 tests/vllm_vl_sync_check.py VL_MODEL_DIR DATA.parquet OUT.pt RUN_DIR [full|lora]
 
 Like vllm_sync_check.py, for the tiny Qwen2.5-VL (vLLM loads it from disk: see rollout.engine_load_format). Every
 rank syncs, samples responses to image prompts, takes one optimizer step of the actor (which moves the vision tower
 too), syncs again and samples again; then takes another step and syncs everything but the vision tower, to show
 that a stale vision tower shows in the log-probs. For each generation it records vLLM's log-probs and, on the same
 tokens, the actor's and those of the untouched model on disk; and how far the first step moved the vision tower.
+With `lora` the actor trains LoRA adapters (rank 8, all-linear: the vision tower's and merger's linear layers too)
+and each sync sends the adapter; the stale sync sends an adapter without its vision-tower tensors.
 """
 import sys
 from pathlib import Path
@@ -14,11 +16,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lora  # noqa: E402
 import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
 from models import Policy  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
 from batch import take  # noqa: E402
+from minirl import sync_rollout  # noqa: E402
 from models import full_state_dict_items, load_model, token_logprobs  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config, save_records_and_shut_down  # noqa: E402
@@ -27,8 +31,15 @@ from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config, save_records_and_
 def rollout(engine, actor, disk_model, batch, seed, pad_id, skip_vision=False):
     """Sync (all weights, or all but the vision tower's), generate, and score the generated tokens under vLLM, the
     actor and the model on disk (all [b, R])."""
-    engine.sync_weights((name, tensor) for name, tensor in full_state_dict_items(actor.model)
-                        if not (skip_vision and ".visual." in name))
+    if not skip_vision:
+        sync_rollout(actor, engine)
+    elif actor.lora:
+        adapter = actor.adapter()
+        engine.sync_weights((), adapter=lora.Adapter({name: tensor for name, tensor in adapter.state.items()
+                                                      if ".visual." not in name}, adapter.config))
+    else:
+        engine.sync_weights((name, tensor) for name, tensor in full_state_dict_items(actor.model)
+                            if ".visual." not in name)
     rows = list(range(len(batch["raw_prompt_ids"])))
     tokens, logprobs = engine.generate(batch["raw_prompt_ids"], Sampling(max_tokens=RESPONSE_LEN,
                                                                           temperature=TEMPERATURE), seed,
@@ -45,9 +56,12 @@ def vision_weights(actor):
     return {name: tensor.clone() for name, tensor in full_state_dict_items(actor.model) if ".visual." in name}
 
 
-def main(model_dir, data_path, out_path, run_dir):
+def main(model_dir, data_path, out_path, run_dir, mode="full"):
     rank, world, device = init_distributed("cpu", "gloo")
-    cfg = config(model_dir, 1, run_dir, world, extra=["data.max_prompt_length=64"])
+    lora_keys = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                 "actor_rollout_ref.actor.optim.lr=1e-2"]
+    cfg = config(model_dir, 1, run_dir, world,
+                 extra=["data.max_prompt_length=64", *(lora_keys if mode == "lora" else [])])
     seed_everything(0)
     actor = Policy(cfg, device, trainable=True)
     disk_model = load_model(model_dir).eval()
