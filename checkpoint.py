@@ -404,10 +404,24 @@ def validate(step_dir, world_size, roles):
         here = {key: value["shape"] for key, value in layout.items()}
         if saved != here:
             raise CheckpointError(f"checkpoint '{step_dir}' holds a different {name} model than "
-                                  f"this run's: {_first_difference(saved, here)}. Resume with the model it was "
-                                  f"trained from, or set trainer.resume_mode=disable (or another "
-                                  f"trainer.default_local_dir) to start fresh")
+                                  f"this run's: {_first_difference(saved, here)}{_lora_hint(saved, here)}. Resume "
+                                  f"with the model it was trained from, or set trainer.resume_mode=disable (or "
+                                  f"another trainer.default_local_dir) to start fresh")
     return manifest
+
+
+def _lora_rank(layout):
+    """The LoRA rank of a parameter layout (lora_A is [r, in]), or 0 without adapters."""
+    return next((shape[0] for key, shape in sorted(layout.items()) if ".lora_A." in key), 0)
+
+
+def _lora_hint(saved, here):
+    """When the models differ only in their LoRA settings, which key to set."""
+    saved_rank, this_rank = _lora_rank(saved), _lora_rank(here)
+    if saved_rank == this_rank:
+        return ""
+    return (f" (the checkpoint was trained with actor_rollout_ref.model.lora_rank={saved_rank} and this run has "
+            f"{this_rank}: set it to {saved_rank}, with the same target_modules)")
 
 
 def _first_difference(saved, here):

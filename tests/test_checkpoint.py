@@ -291,6 +291,20 @@ def test_other_model_is_refused_naming_the_parameter(ckpt_copy):
         checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(other)})
 
 
+def test_a_lora_setting_that_differs_from_the_checkpoints_is_named(ckpt_copy):
+    """Found by resuming a LoRA run without lora_rank: the error named a peft parameter name, not the key to set."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    step = ckpt_copy / "global_step_4"                               # a full fine-tuning checkpoint
+    with torch.device("meta"):
+        lora_model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            step / "actor" / "huggingface")), LoraConfig(r=8, target_modules="all-linear"))
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"the checkpoint was trained with actor_rollout_ref\.model\.lora_rank=0 and this run "
+                             r"has 8: set it to 0"):
+        checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(lora_model)})
+
+
 def test_other_world_size_is_refused_by_the_trainer(run_a, demo_dir, data_file, tmp_path):
     step = run_a / "checkpoints" / "global_step_4"
     result = run(torchrun_cmd(1, "minirl.py", "--config", ROOT / "config.yaml",
