@@ -613,16 +613,23 @@ def export_hf(ckpt, out, merge_adapter=False):
         raise CheckpointError(f"'{ckpt / role}' is a vision-language critic: its value head (vision.with_value_head) "
                               f"has no Hugging Face class to export to; the checkpoint resumes, it does not export")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--export: '{out}' exists and is not an empty folder; export into a new folder (an "
+                              f"earlier export's files, e.g. merged weights beside an adapter, would mix with these)")
+    staging = out.with_name(out.name + ".incomplete")        # renamed into place when complete
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     if adapter_dir.is_dir() and not merge_adapter:
         import lora
-        lora.export_adapter(adapter_dir, hf_dir, out)
-        print(f"exported the LoRA adapter of {ckpt / role} to {out}")
-        return out
-    weights = consolidate(ckpt, role)
-    for item in hf_dir.iterdir():            # config, generation config, tokenizer (weights are rewritten below)
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, out / item.name)
-    write_hf_weights(weights, out, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
-    print(f"exported {ckpt / role} to {out}")
+        lora.export_adapter(adapter_dir, hf_dir, staging)
+        what = f"the LoRA adapter of {ckpt / role}"
+    else:
+        weights = consolidate(ckpt, role)
+        for item in hf_dir.iterdir():        # config, generation config, tokenizer (weights are rewritten below)
+            if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, staging / item.name)
+        write_hf_weights(weights, staging, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
+        what = str(ckpt / role)
+    os.replace(staging, out)
+    print(f"exported {what} to {out}")
     return out

@@ -237,6 +237,19 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run(demo_dir, data_fi
     assert checkpoint.problems(root / "global_step_2") is None
 
 
+def test_export_never_mixes_with_an_earlier_export(run_a, tmp_path):
+    """Found exporting a LoRA checkpoint's adapter into the folder of its merged export: adapter_config.json and
+    the merged model.safetensors ended up side by side. A non-empty folder is refused, untouched."""
+    step5 = run_a / "checkpoints" / "global_step_5"
+    out = tmp_path / "export"
+    run([sys.executable, "minirl.py", "--export", step5, out])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "model.safetensors" in before and not list(tmp_path.glob("*.incomplete"))
+    again = run([sys.executable, "minirl.py", "--export", run_a / "checkpoints" / "global_step_4", out], expect_rc=2)
+    assert f"checkpoint error: --export: '{out}' exists and is not an empty folder" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad checkpoints
 
