@@ -476,7 +476,7 @@ def build_demo(name, make_assets, out):
     warmup = json.loads(paths.pop("warmup").read_text())
     print(f"{name} written to {out} in {time.time() - start:.0f}s: "
           + ", ".join(f"{kind} {path}" for kind, path in paths.items()))
-    print("after the warm-up, greedy on the test prompts: "
+    print("after the warm-up, on the test prompts: "
           + ", ".join(f"{key} {value:.0%}" if isinstance(value, float) else f"{key} {value}"
                       for key, value in warmup.items()))
 

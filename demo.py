@@ -155,66 +155,77 @@ def demo_accuracy(model, tokenizer, rows, max_new_tokens=8):
 
 
 def _warmup_examples(tokenizer, rows, label_noise, rng):
-    """(prompt ids, response ids) pairs; with probability label_noise the answer is a random wrong sum."""
+    """(ids, labels) of templated prompt + '#### answer<|im_end|>', only the answer trained; with probability
+    label_noise the answer is a random wrong sum."""
     examples = []
     for row in rows:
         answer = int(row["reward_model"]["ground_truth"])
         if rng.random() < label_noise:
             answer = rng.choice([s for s in range(19) if s != answer])
+        prompt = _templated_prompt_ids(tokenizer, row)
         response = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
-        examples.append((_templated_prompt_ids(tokenizer, row), response))
+        examples.append((prompt + response, [-100] * len(prompt) + response))
     rng.shuffle(examples)
     return examples
 
 
-def _warmup_batch(examples, pad_token_id):
-    """Right-padded teacher-forcing batch; labels are -100 outside the response."""
-    width = max(len(p) + len(r) for p, r in examples)
-    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)  # [B, T]
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)  # [B, T]
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)  # [B, T]
-    for i, (prompt, response) in enumerate(examples):
-        end = len(prompt) + len(response)
-        input_ids[i, :end] = torch.tensor(prompt + response)
-        attention_mask[i, :end] = 1
-        labels[i, len(prompt):end] = torch.tensor(response)
-    return input_ids, attention_mask, labels
+def teacher_forcing_batch(examples, pad_token_id):
+    """(ids, labels) examples -> right-padded model kwargs; labels are -100 wherever nothing is trained."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in examples])        # [B, T]
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in examples])   # [B, T]
+    labels = torch.tensor([labels + [-100] * (width - len(labels)) for _, labels in examples])          # [B, T]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def warm_up(model, batches, evaluate, until, *, seed=0, lr=2e-3, check_every=10, max_steps=600):
+    """The demos' supervised warm-up: AdamW on `batches(step)` (model kwargs with labels) until, at a check every
+    check_every steps, `until(metrics)` holds for the dict `evaluate()` returns, or max_steps (then the metrics are
+    the last check's).
+    A stopping rule rather than a fixed step count, which would drift with hardware and library versions.
+    Single-threaded and seeded, so it is deterministic on a given machine. Returns {"steps", **last metrics}."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+            model.train()
+            step, metrics = 0, None
+            while step < max_steps and not (metrics and until(metrics)):
+                loss = model(**batches(step)).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if step % check_every == 0:
+                    metrics = evaluate()
+            model.eval()
+    finally:
+        torch.set_num_threads(threads)
+    return {"steps": step, **(metrics or {})}
 
 
 def warm_up_demo_model(model, tokenizer, train_rows, eval_rows, *, seed=0, label_noise=0.3, lr=2e-3,
                        batch_size=64, check_every=10, target_accuracy=0.2, max_steps=600):
     """Supervised warm-up so RL starts from a policy that answers in format but is often wrong.
 
-    Teacher forcing on '#### {a+b}<|im_end|>' with noisy labels. It stops at the first check where greedy
-    accuracy on eval_rows reaches target_accuracy (the learning curve jumps by ~0.1-0.2 between checks, so
-    this lands at roughly 20-40%); a fixed step count would drift with hardware and library versions.
-    Single-threaded and seeded, so it is deterministic on a given machine.
-    Returns {"steps", "format", "accuracy"} of the final model.
+    Teacher forcing on '#### {a+b}<|im_end|>' with noisy labels, until greedy accuracy on eval_rows reaches
+    target_accuracy with the format learnt (the learning curve jumps by ~0.1-0.2 between checks, so this lands
+    at roughly 20-40%). Returns {"steps", "format", "accuracy"} of the final model.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            examples = _warmup_examples(tokenizer, train_rows, label_noise, random.Random(seed))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-            model.train()
-            step, fmt, accuracy = 0, 0.0, 0.0
-            while step < max_steps and not (fmt >= 0.9 and accuracy >= target_accuracy):
-                start = (step * batch_size) % len(examples)
-                input_ids, attention_mask, labels = _warmup_batch(examples[start:start + batch_size],
-                                                                  tokenizer.pad_token_id)
-                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                step += 1
-                if step % check_every == 0:
-                    fmt, accuracy = demo_accuracy(model, tokenizer, eval_rows)
-            model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return {"steps": step, "format": fmt, "accuracy": accuracy}
+    examples = _warmup_examples(tokenizer, train_rows, label_noise, random.Random(seed))
+
+    def batches(step):
+        start = (step * batch_size) % len(examples)
+        return teacher_forcing_batch(examples[start:start + batch_size], tokenizer.pad_token_id)
+
+    def evaluate():
+        fmt, accuracy = demo_accuracy(model, tokenizer, eval_rows)
+        return {"format": fmt, "accuracy": accuracy}
+
+    return warm_up(model, batches, evaluate, lambda m: m["format"] >= 0.9 and m["accuracy"] >= target_accuracy,
+                   seed=seed, lr=lr, check_every=check_every, max_steps=max_steps)
 
 
 def make_demo_assets(out_dir):

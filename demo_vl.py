@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from demo import TURN_END, TURN_START, build_tokenizer, default_tokenizer_corpus
+from demo import TURN_END, TURN_START, build_tokenizer, default_tokenizer_corpus, teacher_forcing_batch, warm_up
 from rewards import minirl_colour_compute_score
 from vision import IMAGE_MARKER, encode_prompt, generate_kwargs
 
@@ -160,56 +160,38 @@ def vl_accuracy(model, processor, rows, encoded=None, max_new_tokens=6):
 
 def warm_up_vl_model(model, processor, train_rows, eval_rows, *, seed=0, label_noise=0.4, lr=2e-3, batch_size=32,
                      check_every=5, target_accuracy=0.4, max_steps=300):
-    """Supervised warm-up on '#### <colour><|im_end|>' with noisy labels, until greedy accuracy on eval_rows
-    reaches target_accuracy (with the format learnt): a policy that looks at the image but is often wrong.
-    Single-threaded and seeded. Returns {"steps", "format", "accuracy"}."""
+    """Supervised warm-up (demo.warm_up) on '#### <colour><|im_end|>' with noisy labels, until greedy accuracy on
+    eval_rows reaches target_accuracy (with the format learnt): a policy that looks at the image but is often
+    wrong. Returns {"steps", "format", "accuracy"}."""
     tokenizer = processor.tokenizer
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     rng = random.Random(seed)
     train, evaluation = _encoded(processor, train_rows), _encoded(processor, eval_rows)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-            model.train()
-            step, fmt, accuracy = 0, 0.0, 0.0
-            while step < max_steps and not (fmt >= 0.9 and accuracy >= target_accuracy):
-                picks = rng.sample(range(len(train_rows)), batch_size)
-                examples = []
-                for i in picks:
-                    answer = train_rows[i]["reward_model"]["ground_truth"]
-                    if rng.random() < label_noise:
-                        answer = rng.choice(sorted(COLOURS))
-                    response = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
-                    examples.append((train[i][0], response, train[i][1]))
-                loss = model(**_teacher_forcing_batch(model, examples, tokenizer.pad_token_id)).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                step += 1
-                if step % check_every == 0:
-                    fmt, accuracy = vl_accuracy(model, processor, eval_rows, evaluation)
-            model.eval()
-    finally:
-        torch.set_num_threads(threads)
-    return {"steps": step, "format": fmt, "accuracy": accuracy}
+
+    def batches(step):
+        picks = rng.sample(range(len(train_rows)), batch_size)
+        examples = []
+        for i in picks:
+            answer = train_rows[i]["reward_model"]["ground_truth"]
+            if rng.random() < label_noise:
+                answer = rng.choice(sorted(COLOURS))
+            response = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
+            examples.append((train[i][0], response, train[i][1]))
+        return _teacher_forcing_batch(model, examples, tokenizer.pad_token_id)
+
+    def evaluate():
+        fmt, accuracy = vl_accuracy(model, processor, eval_rows, evaluation)
+        return {"format": fmt, "accuracy": accuracy}
+
+    return warm_up(model, batches, evaluate, lambda m: m["format"] >= 0.9 and m["accuracy"] >= target_accuracy,
+                   seed=seed, lr=lr, check_every=check_every, max_steps=max_steps)
 
 
 def _teacher_forcing_batch(model, examples, pad_token_id):
-    """Right-padded (prompt ids, response ids, pixel inputs) examples -> model kwargs with labels (-100 outside
-    the response)."""
-    width = max(len(p) + len(r) for p, r, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)              # [B, T]
-    attention_mask = torch.zeros_like(input_ids)                                                  # [B, T]
-    labels = torch.full_like(input_ids, -100)                                                     # [B, T]
-    for i, (prompt, response, _) in enumerate(examples):
-        end = len(prompt) + len(response)
-        input_ids[i, :end] = torch.tensor(prompt + response)
-        attention_mask[i, :end] = 1
-        labels[i, len(prompt):end] = torch.tensor(response)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                **generate_kwargs(model, input_ids, [inputs for _, _, inputs in examples]))
+    """(prompt ids, response ids, pixel inputs) examples -> model kwargs with labels (-100 outside the response)
+    and the pixel inputs."""
+    batch = teacher_forcing_batch([(prompt + response, [-100] * len(prompt) + response)
+                                   for prompt, response, _ in examples], pad_token_id)
+    return dict(batch, **generate_kwargs(model, batch["input_ids"], [inputs for _, _, inputs in examples]))
 
 
 def make_vl_demo_assets(out_dir, train_count=512, test_count=64):
