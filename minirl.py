@@ -393,6 +393,11 @@ class Trainer:
         """Train from self.global_step (0, or where the checkpoint left off) to total_steps. The loader carries
         the data position, so a resume at an epoch boundary goes on with the next epoch."""
         cfg = self.cfg
+        if self.global_step >= self.total_steps and not cfg.trainer.val_only:
+            if self.rank == 0:        # a rerun of a finished run (e.g. a retried job): no second validation row
+                print(f"the run is already complete (resumed at step {self.global_step} of {self.total_steps}); "
+                      f"raise trainer.total_training_steps or trainer.total_epochs to train on", flush=True)
+            return
         if self.val_set is not None and cfg.trainer.val_before_train:
             self.tracker.log(self.validate(), step=self.global_step)
             if cfg.trainer.val_only:

@@ -166,6 +166,17 @@ def test_a_kill_between_the_save_and_the_metrics_append_loses_no_row(run_a, demo
     assert rows == metric_rows(run_a / "metrics.jsonl")
 
 
+def test_rerunning_a_finished_run_adds_nothing(run_a, demo_dir, data_file, tmp_path):
+    """The same command again after the run finished (a retried job): found appending a validation row for the
+    last step on every rerun. Now it says the run is complete and leaves metrics.jsonl as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    before = (out / "metrics.jsonl").read_text()
+    again = train(demo_dir, data_file, out, f"data.val_files={data_file}", "trainer.val_before_train=true")
+    assert "the run is already complete (resumed at step 5 of 5)" in again.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resume_path and Hugging Face export
 
