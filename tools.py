@@ -103,7 +103,7 @@ def load_tools(path):
     """{tool name: tool instance} from a verl tool yaml. Every problem (missing file, bad yaml, missing or
     unimportable class, a class without the async interface, a bad schema, a duplicate name) is a ConfigError
     naming the file and the entry, raised before any model loads."""
-    where = f"multi_turn.tool_config_path '{path}'"
+    where = f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'"
     if not Path(path).is_file():
         raise ConfigError(f"{where} does not exist")
     try:

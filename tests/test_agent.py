@@ -278,6 +278,7 @@ def test_invalid_tool_yaml_is_a_clear_error(tmp_path, entry, message):
     with pytest.raises(ConfigError, match="tools\\[0\\]") as err:
         tools.load_tools(path)
     assert message in str(err.value)
+    assert str(err.value).startswith(f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'")  # the whole key
     path.write_text("tools: [\n")
     with pytest.raises(ConfigError, match="not valid yaml"):
         tools.load_tools(path)

@@ -104,7 +104,7 @@ def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
     out = subprocess.run([sys.executable, "minirl.py", "--config", str(ROOT / "config.yaml"), *args], cwd=ROOT,
                          env=launch_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
-    assert "config error: multi_turn.tool_config_path" in out.stderr and "cannot import 'nowhere'" in out.stderr
+    assert "config error: actor_rollout_ref.rollout.multi_turn.tool_config_path" in out.stderr and "cannot import 'nowhere'" in out.stderr
     assert "Loading weights" not in out.stderr + out.stdout
 
 
