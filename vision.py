@@ -10,7 +10,7 @@ dp_actor.py `_forward_micro_batch`, vllm_rollout_spmd.py):
      kept per row as `multi_modal_inputs`. `raw_prompt_ids` (the rollout input) keep one image token per image.
   3. rollout: hf generates from the expanded ids plus the pixel inputs; vLLM gets the raw ids plus the PIL images
      and runs the same processor itself.
-  4. training forward (models.token_logprobs): a micro-batch's multi_modal_inputs are concatenated in row order,
+  4. training forward (forward.token_logprobs): a micro-batch's multi_modal_inputs are concatenated in row order,
      and Qwen2-VL's 3-row rope positions (temporal, height, width) come from the model's own `get_rope_index`;
      the packed path prepends the 1-D text positions as a fourth row, which transformers reads as the sequence
      boundaries. A VL critic runs the same forward: the model with a value head in place of its LM head

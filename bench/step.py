@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 import attention  # noqa: E402
 import flops  # noqa: E402
 from losses import entropy_from_logits, logprobs_from_logits  # noqa: E402
-from models import _model_inputs, token_logprobs  # noqa: E402
+from forward import _model_inputs, token_logprobs  # noqa: E402
+from timing import seconds_per_call  # noqa: E402
 
 VOCAB_152K = 151936          # Qwen2's vocabulary
 
@@ -87,15 +87,6 @@ def varied_batch(rows, vocab, min_len=16, max_len=384, max_prompt=64, seed=0):
             "responses": ids[:, P:], "response_mask": mask[:, P:]}
 
 
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def update_pass(model, batch, remove_padding):
     model.zero_grad(set_to_none=True)
     logp, _ = token_logprobs(model, batch, use_remove_padding=remove_padding)
@@ -124,7 +115,7 @@ def varied_lengths(model_dir, batch, repeats):
             fn(model, batch, packed)                                        # warm up
         for _ in range(repeats):
             for v, (model, packed) in variants.items():
-                times[v] += timed(lambda: fn(model, batch, packed), 1)
+                times[v] += seconds_per_call(lambda: fn(model, batch, packed), 1)
         results[name] = {v: statistics.median(t) for v, t in times.items()}
     return results
 
@@ -179,7 +170,7 @@ def attention_table(batch, repeats, with_flex, heads=2, head_dim=32):
     with torch.no_grad():
         for name, fn in kernels.items():
             fn()                                                            # warm up (and compile)
-            medians[name] = statistics.median(timed(fn, repeats))
+            medians[name] = statistics.median(seconds_per_call(fn, repeats))
     best = next(iter(medians.values()))
     lines = ["| attention (forward, packed row) | s | vs minirl_varlen |", "|---|---|---|"]
     lines += [f"| {name} | {s:.4f} | x{s / best:.2f} |" for name, s in medians.items()]
@@ -237,7 +228,7 @@ def memory_table(rows):
 def matmul_peak(size=2048, repeats=5):
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
-    return 2 * size ** 3 / statistics.median(timed(lambda: a @ b, repeats))
+    return 2 * size ** 3 / statistics.median(seconds_per_call(lambda: a @ b, repeats))
 
 
 def flops_table(model_dir, batch, seconds):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import ulysses  # noqa: E402
-from models import token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
 
 
 def long_row(tokens, vocab, seed):

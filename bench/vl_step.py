@@ -11,7 +11,6 @@ Usage: .venv/bin/python bench/vl_step.py [--steps 6] [--demo demo-vl] [--skip-ru
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import vision  # noqa: E402
 from data import RLHFDataset, collate  # noqa: E402
-from models import load_model, token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
+from models import load_model  # noqa: E402
 from rollout import responses_to_batch  # noqa: E402
-from step import phase_table, run_demo_steps  # noqa: E402
+from step import run_demo_steps  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def image_batch(demo, rows, response_len=8):
@@ -37,14 +38,16 @@ def image_batch(demo, rows, response_len=8):
                                             [tokenizer.eos_token_id])}
 
 
-def timed(fn, repeats):
-    fn()                                                    # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def phase_table(rows):
+    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
+    lines = ["| phase | median s | share of step |", "|---|---|---|"]
+    step = statistics.median(r["timing_s/step"] for r in rows)
+    for key in keys:
+        median = statistics.median(r[key] for r in rows)
+        lines.append(f"| {key[len('timing_s/'):]} | {median:.3f} | {median / step:.0%} |")
+    tput = statistics.median(r["perf/throughput"] for r in rows)
+    lines.append(f"\nthroughput (tokens/s per rank, median): {tput:.0f}")
+    return "\n".join(lines)
 
 
 def vision_share(demo, rows, repeats):
@@ -62,7 +65,7 @@ def vision_share(demo, rows, repeats):
         out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
         out.pooler_output.sum().backward()
 
-    whole_s, tower_s = timed(whole, repeats), timed(tower, repeats)
+    whole_s, tower_s = median_seconds(whole, repeats, warmup=1), median_seconds(tower, repeats, warmup=1)
     patches = inputs["pixel_values"].shape[0]
     return ("| micro-batch | image patches | actor fwd+bwd s | vision tower fwd+bwd s | vision share |\n"
             "|---|---|---|---|---|\n"
@@ -80,7 +83,7 @@ def main():
     args = parser.parse_args()
     if not args.skip_run:
         print("## VL demo step, 2 ranks, hf rollout\n")
-        print(phase_table(run_demo_steps(args.steps, args.demo)))
+        print(phase_table(run_demo_steps(args.steps, args.demo, remove_padding=True)))
     print(f"\n## vision tower share of the actor's forward+backward (median of {args.repeats} runs)\n")
     print(vision_share(args.demo, args.rows, args.repeats))
 

@@ -61,7 +61,7 @@ def fixed_batch(tiny_model_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models import token_logprobs
+    from forward import token_logprobs
     g = torch.Generator().manual_seed(1)
     batch = padded_batch([6, 3, 1, 4, 5, 2, 6, 3], [5, 2, 4, 1, 3, 5, 2, 4])
     b, R = batch["responses"].shape

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minirl import sync_rollout  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
-from models import AdapterDisabled, Policy, token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
+from models import AdapterDisabled, Policy  # noqa: E402
 from rollout import HFRollout, Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 from vllm_sync_check import PROMPTS, config, prompt_batch, save_records_and_shut_down  # noqa: E402
 

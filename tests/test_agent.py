@@ -306,7 +306,7 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     import losses
-    import models
+    import forward
     script = {"Q1?": [call("add", a=1, b=2), "#### 3"], "Q2?": [call("echo", n=3), call("add", a=2, b=2), "ok"]}
     convs, _ = run_loop(tok, fixture_tools, script, response_length=256)
     width = max(len(c.prompt_ids) for c in convs)
@@ -327,7 +327,7 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
 
     def grads(logp_shift, old, ref, adv):
         model.zero_grad()
-        logp, entropy = models.token_logprobs(model, batch, calc_entropy=True)
+        logp, entropy = forward.token_logprobs(model, batch, calc_entropy=True)
         loss, _ = losses.actor_loss(logp + logp_shift, old, ref, adv, entropy, mask, entropy_coeff=0.01,
                                     use_kl_loss=True, kl_loss_coef=0.1)
         loss.backward()

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 import attention
 import flops
-from models import token_logprobs
+from forward import token_logprobs
 from conftest import padded_batch
 
 

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from batch import balanced_partitions
 from conftest import padded_batch
-from models import dynamic_micro_batches, fixed_micro_batches, token_logprobs
+from forward import dynamic_micro_batches, fixed_micro_batches, token_logprobs
 from rollout import response_mask_from_eos, responses_to_batch
 
 
@@ -30,10 +30,10 @@ def test_packed_and_padded_logprobs_match_an_unpadded_forward(tiny_model_dir, at
     """Both attentions (transformers' sdpa: a block-diagonal mask; minirl's per-sequence CPU attention), with the
     LM head run in chunks of 3 tokens (HEAD_CHUNK_ELEMENTS)."""
     import attention as _registers_minirl_varlen  # noqa: F401
-    import models
+    import forward
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
     model.eval()
-    monkeypatch.setattr(models, "HEAD_CHUNK_ELEMENTS", 3 * model.config.vocab_size)
+    monkeypatch.setattr(forward, "HEAD_CHUNK_ELEMENTS", 3 * model.config.vocab_size)
     batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1])
     response_mask = batch["attention_mask"][:, 6:].bool()
     with torch.no_grad():
@@ -186,7 +186,8 @@ def test_reward_model_score_equals_a_sequence_classification_forward(tiny_rm_dir
     """A sequence-classification RM loaded as minirl loads it (token classification, score at the last valid
     token, packed) scores each row as transformers' own Qwen2ForSequenceClassification does on the unpadded text."""
     from transformers import AutoModelForSequenceClassification
-    from models import last_token_scores, load_model
+    from forward import last_token_scores
+    from models import load_model
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir, dtype=torch.float32).eval()
     loaded = load_model(tiny_rm_dir, kind="token_cls").eval()
     batch = padded_batch([6, 3, 1, 4], [5, 2, 4, 1], seed=3)
@@ -200,7 +201,8 @@ def test_reward_model_score_equals_a_sequence_classification_forward(tiny_rm_dir
 
 
 def test_critic_values_are_the_head_before_each_response_token(tiny_critic_dir):
-    from models import load_model, token_values
+    from forward import token_values
+    from models import load_model
     critic = load_model(tiny_critic_dir, kind="token_cls").eval()
     batch = padded_batch([2, 6], [3, 5], seed=4)
     with torch.no_grad():

@@ -16,7 +16,8 @@ import torch
 import vision
 from data import RLHFDataset, collate
 from demo_vl import COLOURS, VL_PROMPT, render_square
-from models import load_model, token_logprobs, token_values
+from forward import token_logprobs, token_values
+from models import load_model
 from rollout import responses_to_batch
 from test_vllm import clean_env  # noqa: F401  (fixture)
 

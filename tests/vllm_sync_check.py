@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import load_config  # noqa: E402
 from models import Policy  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
-from models import full_state_dict_items, token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
+from models import full_state_dict_items  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 
 TEMPERATURE, RESPONSE_LEN = 0.7, 8

@@ -23,7 +23,8 @@ from models import Policy  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
 from batch import take  # noqa: E402
 from minirl import sync_rollout  # noqa: E402
-from models import full_state_dict_items, load_model, token_logprobs  # noqa: E402
+from forward import token_logprobs  # noqa: E402
+from models import full_state_dict_items, load_model  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 from vllm_sync_check import RESPONSE_LEN, TEMPERATURE, config, save_records_and_shut_down  # noqa: E402
 

@@ -4,21 +4,20 @@ GRPO's naive version loops over samples and groups with a dict of uids (as verl 
 loops over samples and time steps with Python floats. Both are checked to agree with losses.py before timing.
 The "grpo, R=1" row times GRPO on a one-token mask: the group statistics alone, without the [B, R] broadcast of
 the advantage (which costs the same in both versions and dominates at R = 1024).
-Usage: .venv/bin/python bench/losses.py [--quick] [--repeats N] [--threads N]
+Usage: .venv/bin/python bench/advantage_estimators.py [--quick] [--repeats N] [--threads N]
 Prints the median time of each and the speedup, then a markdown table.
 """
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import losses  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def naive_grpo(scores, uids, mask, eps=1e-6):
@@ -66,15 +65,6 @@ def make_batch(rows, length, group_size, seed=0):
     values = torch.randn(rows, length, generator=gen) * mask
     uids = [f"prompt-{i // group_size}" for i in range(rows)]
     return rewards, values, mask, uids
-
-
-def median_seconds(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():

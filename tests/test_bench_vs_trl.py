@@ -1,0 +1,41 @@
+"""bench/vs_trl.py's own arithmetic (TRL itself is not a dependency and never runs here): minirl's metrics
+become per-step phases, and the tables pick each side's best layout and divide the medians of tokens/s."""
+import importlib.util
+import json
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("vs_trl", Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py")
+vs_trl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(vs_trl)
+
+
+def step(step_s, tokens, gen=0.0, logprob=0.0, update=0.0):
+    return {"step_s": step_s, "tokens": tokens, "gen": gen, "logprob": logprob, "update": update,
+            "other": step_s - gen - logprob - update}
+
+
+def test_minirl_metrics_become_phases(tmp_path):
+    rows = [{"timing_s/gen": 2.0, "timing_s/ref": 0.5, "timing_s/update_actor": 1.0, "timing_s/reward": 0.25,
+             "timing_s/step": 4.0, "response_length/mean": 60.0},
+            {"timing_s/gen": 1.0, "timing_s/old_log_prob": 0.25, "timing_s/ref": 0.5, "timing_s/update_actor": 1.0,
+             "timing_s/step": 3.0, "response_length/mean": 30.0},
+            {"val-core/acc": 0.5}]                                  # a validation row has no step timing
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got = vs_trl.minirl_steps(tmp_path, {"prompts": 8, "n": 4})
+    assert got == [step(4.0, 60.0 * 32, gen=2.0, logprob=0.5, update=1.0),
+                   step(3.0, 30.0 * 32, gen=1.0, logprob=0.75, update=1.0)]
+
+
+def test_tables_take_each_sides_best_layout_and_the_ratio_of_medians():
+    results = {
+        # minirl, 2 processes: tokens/s 100, 200, 300 -> median 200 (step s median 2.0)
+        ("minirl", "hf", 2): [step(1.0, 100, gen=0.5), step(2.0, 400, gen=1.0), step(3.0, 900, gen=2.0)],
+        ("minirl", "hf", 1): [step(4.0, 400), step(4.0, 400)],                  # 100 tokens/s
+        ("trl", "hf", 2): [step(5.0, 250), step(5.0, 250)],                     # 50
+        ("trl", "hf", 1): [step(2.0, 160), step(2.0, 160), step(8.0, 160)],     # 80, 80, 20 -> 80
+    }
+    tables = vs_trl.summary_tables(results)
+    assert "| hf | 200 (2p) | 80 (1p) | x2.50 |" in tables
+    assert "| minirl | hf | 2 | 3 | 2.00 | 200 |" in tables
+    assert "| hf | minirl | 2 | 1.00 | 0.00 | 0.00 | 1.00 | 2.00 |" in tables      # median of each phase
+    assert "| hf | trl | 1 |" in tables and "| hf | trl | 2 |" not in tables       # only the best layout's phases
