@@ -499,7 +499,8 @@ def _torch_load(path):
 
 def resume(cfg, roles, loader, stateful=None):
     """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch) and that step's
-    metrics row as saved with it (None when starting fresh or from a checkpoint saved without one). Also checks the save settings, so a bad save_contents fails before training starts."""
+    metrics row as saved with it (None when starting fresh or from a checkpoint saved without one). Also checks
+    the save settings, so a bad save_contents fails before training starts."""
     for name in roles:
         save_contents(cfg, name)
     trainer = cfg.trainer

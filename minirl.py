@@ -64,7 +64,7 @@ from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
                      seed_everything)
-from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
+from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from tools import load_tools
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
 
@@ -144,6 +144,7 @@ class Trainer:
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
+        check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
