@@ -3,8 +3,8 @@
 The trainer calls two functions (a "role" is a trained model: the actor and, for PPO, the critic; any object with
 .model (FSDP2), .optimizer, .scheduler, .checkpoint_counters() and .load_checkpoint_counters(dict)):
 
-    step = checkpoint.resume(cfg, {"actor": actor}, loader)      # in Trainer.__init__: 0 when starting fresh
-    checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer)   # every save_freq steps and the last
+    step, row = checkpoint.resume(cfg, {"actor": actor}, loader)  # in Trainer.__init__: (0, None) when fresh
+    checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer, metrics=row)   # every save_freq steps, the last
 
 and the command line exports a checkpoint without torchrun:
 
@@ -26,7 +26,8 @@ verl/trainer/ppo/ray_trainer.py RayPPOTrainer._save_checkpoint; W = world size, 
               lora_adapter/                  LoRA only: adapter_model.safetensors + adapter_config.json, peft's
                                              format (PeftModel.from_pretrained(base, this folder))
         data.pt                              the prompt loader's position (epoch, batches done)
-        trainer_state.json                   global step (+ state of any extra stateful object, e.g. a KL controller)
+        trainer_state.json                   global step, the step's metrics row (+ state of any extra stateful
+                                             object, e.g. a KL controller)
         manifest.json                        every file above with its size and blake2b checksum: the "complete"
                                              marker, written last
 
@@ -189,9 +190,11 @@ def due(save_freq, step, is_last):
     return save_freq > 0 and (is_last or step % save_freq == 0)
 
 
-def save(cfg, step, roles, loader, tokenizer, stateful=None):
+def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
     """Write global_step_<step> (all ranks call this). `stateful`: extra {name: object with state_dict()},
-    JSON-serialisable, kept in trainer_state.json (e.g. {"kl_ctrl": controller})."""
+    JSON-serialisable, kept in trainer_state.json (e.g. {"kl_ctrl": controller}). `metrics`: the step's
+    metrics row, kept there too: the trainer appends it to metrics.jsonl after the save, so a run killed in
+    between gets it back on resume."""
     rank, world_size = _rank_and_world()
     root = Path(cfg.trainer.default_local_dir)
     final = root / f"global_step_{step}"
@@ -207,7 +210,7 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None):
         _save_role(staging / name, role, contents, tokenizer, rank, world_size)
     if rank == 0:
         torch.save(loader.state_dict(), staging / "data.pt")
-        trainer_state = {"global_step": step,
+        trainer_state = {"global_step": step, "metrics": metrics,
                          "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
         (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier()
@@ -401,10 +404,24 @@ def validate(step_dir, world_size, roles):
         here = {key: value["shape"] for key, value in layout.items()}
         if saved != here:
             raise CheckpointError(f"checkpoint '{step_dir}' holds a different {name} model than "
-                                  f"this run's: {_first_difference(saved, here)}. Resume with the model it was "
-                                  f"trained from, or set trainer.resume_mode=disable (or another "
-                                  f"trainer.default_local_dir) to start fresh")
+                                  f"this run's: {_first_difference(saved, here)}{_lora_hint(saved, here)}. Resume "
+                                  f"with the model it was trained from, or set trainer.resume_mode=disable (or "
+                                  f"another trainer.default_local_dir) to start fresh")
     return manifest
+
+
+def _lora_rank(layout):
+    """The LoRA rank of a parameter layout (lora_A is [r, in]), or 0 without adapters."""
+    return next((shape[0] for key, shape in sorted(layout.items()) if ".lora_A." in key), 0)
+
+
+def _lora_hint(saved, here):
+    """When the models differ only in their LoRA settings, which key to set."""
+    saved_rank, this_rank = _lora_rank(saved), _lora_rank(here)
+    if saved_rank == this_rank:
+        return ""
+    return (f" (the checkpoint was trained with actor_rollout_ref.model.lora_rank={saved_rank} and this run has "
+            f"{this_rank}: set it to {saved_rank}, with the same target_modules)")
 
 
 def _first_difference(saved, here):
@@ -481,17 +498,18 @@ def _torch_load(path):
 
 
 def resume(cfg, roles, loader, stateful=None):
-    """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch).
-    Also checks the save settings, so a bad save_contents fails before training starts."""
+    """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch) and that step's
+    metrics row as saved with it (None when starting fresh or from a checkpoint saved without one). Also checks
+    the save settings, so a bad save_contents fails before training starts."""
     for name in roles:
         save_contents(cfg, name)
     trainer = cfg.trainer
     if trainer.resume_mode == "disable":
-        return 0
+        return 0, None
     if trainer.resume_mode == "auto":
         step_dir = _agreed_auto_choice(trainer.default_local_dir)
         if step_dir is None:
-            return 0
+            return 0, None
     elif not trainer.resume_from_path:
         raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path: the "
                               ".../global_step_N folder to resume from")
@@ -513,7 +531,7 @@ def resume(cfg, roles, loader, stateful=None):
         obj.load_state_dict(trainer_state["stateful"][key])
     _log(f"resumed from {step_dir} (global step {trainer_state['global_step']}, data epoch {loader.epoch}, "
          f"{loader.batches_done_in_epoch} batches of it done)")
-    return trainer_state["global_step"]
+    return trainer_state["global_step"], trainer_state.get("metrics")
 
 
 def _load_role(folder, role, contents, rank, world_size):
@@ -596,16 +614,23 @@ def export_hf(ckpt, out, merge_adapter=False):
         raise CheckpointError(f"'{ckpt / role}' is a vision-language critic: its value head (vision.with_value_head) "
                               f"has no Hugging Face class to export to; the checkpoint resumes, it does not export")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--export: '{out}' exists and is not an empty folder; export into a new folder (an "
+                              f"earlier export's files, e.g. merged weights beside an adapter, would mix with these)")
+    staging = out.with_name(out.name + ".incomplete")        # renamed into place when complete
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     if adapter_dir.is_dir() and not merge_adapter:
         import lora
-        lora.export_adapter(adapter_dir, hf_dir, out)
-        print(f"exported the LoRA adapter of {ckpt / role} to {out}")
-        return out
-    weights = consolidate(ckpt, role)
-    for item in hf_dir.iterdir():            # config, generation config, tokenizer (weights are rewritten below)
-        if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, out / item.name)
-    write_hf_weights(weights, out, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
-    print(f"exported {ckpt / role} to {out}")
+        lora.export_adapter(adapter_dir, hf_dir, staging)
+        what = f"the LoRA adapter of {ckpt / role}"
+    else:
+        weights = consolidate(ckpt, role)
+        for item in hf_dir.iterdir():        # config, generation config, tokenizer (weights are rewritten below)
+            if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, staging / item.name)
+        write_hf_weights(weights, staging, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
+        what = str(ckpt / role)
+    os.replace(staging, out)
+    print(f"exported {what} to {out}")
     return out

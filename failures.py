@@ -15,6 +15,7 @@ rank blocked in a collective with the dead one gets an error from gloo/NCCL with
 
 Left out: restarting failed ranks (torchrun --max-restarts does that, and auto-resume picks up the checkpoint).
 """
+import json
 import os
 import sys
 import threading
@@ -76,6 +77,24 @@ def caused_by_a_dead_peer(err):
     return isinstance(err, (dist.DistBackendError, RuntimeError)) and any(s in text for s in _PEER_GONE)
 
 
+def tell_torchrun(line):
+    """torchrun ends a failed job with its own report, whose 'Root Cause' block shows the failing rank's error file
+    (TORCHELASTIC_ERROR_FILE, set per worker), else only a link to torch's docs. Write our one line there, so the
+    last thing the user reads names the error."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # torchrun takes the rank with the smallest timestamp as the root cause and stamps ranks without a file with its
+    # own clock, in whole seconds; a tie goes to the lowest rank, so this one is stamped a second early
+    stamp = int(time.time()) - 1
+    try:
+        with open(path, "w") as f:
+            # torch's own format (elastic's ErrorHandler.record_exception), the line standing in for the traceback
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(stamp)}}}, f)
+    except OSError:
+        pass                         # the report on stderr stands without it
+
+
 def report(err, rank, expected=()):
     """Print `err` for the job and return the exit code. `expected`: ((exception class, prefix, exit code), ...)
     for errors whose message is the whole story (bad config, data or checkpoint): one line, no traceback.
@@ -85,24 +104,27 @@ def report(err, rank, expected=()):
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else 1
+    line, code = _summary(err, rank, expected)
+    print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
+    return code
+
+
+def _summary(err, rank, expected):
+    """The first failing rank's one-line report and exit code (a traceback worth reading is printed first)."""
     if isinstance(err, KeyboardInterrupt):
-        print(f"rank {rank}: interrupted; stopping every rank", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return f"rank {rank}: interrupted; stopping every rank", EXIT_INTERRUPTED
     for cls, prefix, code in expected:
         if isinstance(err, cls):
-            print(f"{prefix}: {err}", file=sys.stderr, flush=True)
-            return code
+            return f"{prefix}: {err}", code
     if isinstance(err, ReportedError):
         shown = err.shown_traceback
         if shown is not None:
             traceback.print_exception(type(shown), shown, shown.__traceback__, chain=False)
-        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
-        return 1
+        return f"error: rank {rank}: {err}", 1
     traceback.print_exception(type(err), err, err.__traceback__)
     first_line = (str(err).splitlines() or [""])[0]
-    print(f"error: rank {rank} failed with {type(err).__name__}: {first_line[:300]} (traceback above)",
-          file=sys.stderr, flush=True)
-    return 1
+    return f"error: rank {rank} failed with {type(err).__name__}: {first_line[:300]} (traceback above)", 1
 
 
 def exit_now(code):

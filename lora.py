@@ -16,6 +16,7 @@ adapter is gathered one tensor at a time anyway).
 """
 from __future__ import annotations
 
+import difflib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,12 @@ def check_target_modules(model_cfg):
     matched = [name for name, _ in model.named_modules() if check_target_module_exists(peft_cfg, name)]
     if not matched:
         names = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        raise ConfigError(f"'actor_rollout_ref.model.target_modules'={model_cfg.target_modules!r} (exclude_modules="
-                          f"{model_cfg.exclude_modules!r}) matches no layer of {model_cfg.path}; its linear layers "
-                          f"are named {', '.join(names)} (or use all-linear)")
+        targets = model_cfg.target_modules
+        meant = isinstance(targets, str) and difflib.get_close_matches(targets.lower(), ["all-linear"], cutoff=0.8)
+        raise ConfigError(f"'actor_rollout_ref.model.target_modules'={targets!r} (exclude_modules="
+                          f"{model_cfg.exclude_modules!r}) matches no layer of {model_cfg.path}"
+                          + (": did you mean 'all-linear'?" if meant else "")
+                          + f"; its linear layers are named {', '.join(names)} (or use all-linear)")
 
 
 def wrap(model, model_cfg):

@@ -52,6 +52,7 @@ import failures
 import flops
 import losses
 import offpolicy
+import ulysses
 import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
@@ -63,7 +64,7 @@ from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
                      seed_everything)
-from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch, rollout_probs_diff
+from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from tools import load_tools
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
 
@@ -142,6 +143,8 @@ class Trainer:
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
+        ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
+        check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -165,8 +168,8 @@ class Trainer:
         self.stateful = {"kl_ctrl": self.kl_ctrl} if self.kl_ctrl else {}
         if self.pipeline is not None:
             self.stateful["offpolicy"] = self.pipeline        # the generated batch a checkpoint takes with it
-        self.global_step = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
-        self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step)
+        self.global_step, saved_row = checkpoint.resume(cfg, self.roles, self.loader, self.stateful)
+        self.tracker = Tracker(cfg, enabled=self.rank == 0, start_step=self.global_step, saved_row=saved_row)
 
     # -- generation, shared by training and validation ------------------------------------------------------
     def generate(self, batch, sampling, seed_purpose):
@@ -391,6 +394,11 @@ class Trainer:
         """Train from self.global_step (0, or where the checkpoint left off) to total_steps. The loader carries
         the data position, so a resume at an epoch boundary goes on with the next epoch."""
         cfg = self.cfg
+        if self.global_step >= self.total_steps and not cfg.trainer.val_only:
+            if self.rank == 0:        # a rerun of a finished run (e.g. a retried job): no second validation row
+                print(f"the run is already complete (resumed at step {self.global_step} of {self.total_steps}); "
+                      f"raise trainer.total_training_steps or trainer.total_epochs to train on", flush=True)
+            return
         if self.val_set is not None and cfg.trainer.val_before_train:
             self.tracker.log(self.validate(), step=self.global_step)
             if cfg.trainer.val_only:
@@ -412,16 +420,17 @@ class Trainer:
                     start = time.perf_counter()
                     metrics.update(self.validate())
                     metrics["timing_s/testing"] = time.perf_counter() - start
+                metrics["training/global_step"] = self.global_step
+                metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
+                metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 if checkpoint.due(cfg.trainer.save_freq, self.global_step, is_last) and not skipped:
                     start = time.perf_counter()
                     if self.pipeline is not None:
                         self.pipeline.settle()        # the batch in flight goes into the checkpoint
-                    checkpoint.save(cfg, self.global_step, self.roles, self.loader,
-                                    self.processor or self.tokenizer, self.stateful)    # VL: the processor too
+                    # the row goes in too: a kill between the save and the append below must not lose the step
+                    checkpoint.save(cfg, self.global_step, self.roles, self.loader, self.processor or self.tokenizer,
+                                    self.stateful, metrics=dict(metrics))    # VL: the processor too
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-                metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = self.loader.epoch if self.pipeline is None else self.pipeline.epoch
-                metrics["actor/skipped_steps"] = self.actor.skipped_steps
                 self.tracker.log(metrics, step=self.global_step)
                 bar.update(1)
                 if skipped:
@@ -536,18 +545,19 @@ def main(argv=None):
         return 0
     try:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        if int(os.environ.get("RANK", "0")) == 0 and not args.to_verl:
+            for warning in settings_without_effect(cfg):
+                print(f"warning: {warning}", file=sys.stderr)
         if args.print_config:
             print_config(cfg, *planning_world_size(cfg, args.world_size))
             return 0
         if args.to_verl:
             print(to_verl(cfg, args.world_size), end="")
             return 0
-        if int(os.environ.get("RANK", "0")) == 0:
-            for warning in settings_without_effect(cfg):
-                print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
             print(f"config error: {err}", file=sys.stderr)
+            failures.tell_torchrun(f"config error: {err}")
         return 2
     return train(cfg)
 

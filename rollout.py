@@ -274,6 +274,28 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def check_model_fits_vllm(cfg, device_type):
+    """Before any model loads, what vLLM would refuse only when it starts (after the trainer's models have
+    loaded): on CPU a head size its kernel lacks; a max_model_len past the model's max_position_embeddings (vLLM
+    derives its limit from config.json and refuses longer ones unless the rope is scaled)."""
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    if rollout.name != "vllm":
+        return
+    if device_type == "cpu":
+        check_cpu_head_dim(model.path, model.trust_remote_code)
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = (rope.get("rope_type") or rope.get("type") or "default") not in ("default", "mrope")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and not scaled and rollout.max_model_len > limit:
+        raise ConfigError(f"'actor_rollout_ref.rollout.max_model_len'={rollout.max_model_len} (when unset: "
+                          f"data.max_prompt_length + data.max_response_length) is more than the "
+                          f"max_position_embeddings {limit} of {model.path}, which vLLM refuses: lower it to {limit} "
+                          f"or less")
+
+
 def check_cpu_head_dim(model_path, trust_remote_code=False):
     """vLLM-CPU's attention kernel fails at the first generation on other head sizes: say so before starting."""
     from transformers import AutoConfig

@@ -17,6 +17,7 @@ Left out: verl's ToolResponse with images/videos ([HEAD]), MCP tools, interactio
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
@@ -102,7 +103,7 @@ def load_tools(path):
     """{tool name: tool instance} from a verl tool yaml. Every problem (missing file, bad yaml, missing or
     unimportable class, a class without the async interface, a bad schema, a duplicate name) is a ConfigError
     naming the file and the entry, raised before any model loads."""
-    where = f"multi_turn.tool_config_path '{path}'"
+    where = f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'"
     if not Path(path).is_file():
         raise ConfigError(f"{where} does not exist")
     try:
@@ -174,11 +175,16 @@ def _import_class(class_name, where):
     try:
         module = importlib.import_module(module_name)
     except Exception as err:
+        verl_note = (f"; of verl's tools minirl has {', '.join(VERL_CLASS_ALIASES)} (write others as a subclass of "
+                     f"tools.BaseTool)" if class_name.startswith("verl.") else "")
         raise ConfigError(f"{where}: cannot import {module_name!r} for class_name {class_name!r}: {err!r} "
-                          f"(is the module on PYTHONPATH?)") from err
+                          f"(is the module on PYTHONPATH?){verl_note}") from err
     cls = getattr(module, attr, None)
     if not inspect.isclass(cls):
-        raise ConfigError(f"{where}: module {module_name!r} has no class {attr!r}")
+        classes = [name for name, value in vars(module).items() if inspect.isclass(value)]
+        close = difflib.get_close_matches(attr, classes, n=1)
+        raise ConfigError(f"{where}: module {module_name!r} has no class {attr!r}"
+                          + (f": did you mean {close[0]!r}?" if close else ""))
     return cls
 
 

@@ -21,16 +21,17 @@ class Tracker:
     CONSOLE_KEYS = ("critic/score/mean", "val-core", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
                     "critic/vf_loss", "actor/entropy", "actor/grad_norm", "timing_s/step")
 
-    def __init__(self, cfg, enabled, start_step=0):
+    def __init__(self, cfg, enabled, start_step=0, saved_row=None):
         """start_step: the step a resumed run continues after; rows a killed run logged past it are dropped, so
-        metrics.jsonl holds each step once."""
+        metrics.jsonl holds each step once. saved_row: that step's metrics as its checkpoint kept them, logged
+        again when metrics.jsonl lacks the step (the run was killed after the save, before the append)."""
         self.enabled = enabled
         self.loggers = cfg.trainer.logger
         if not enabled:
             return
         out = Path(cfg.af_output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        drop_rows_after(out / "metrics.jsonl", start_step)
+        logged = drop_rows_after(out / "metrics.jsonl", start_step)
         self.jsonl = open(out / "metrics.jsonl", "a")
         self.tb = self.wandb = None
         if "tensorboard" in self.loggers:
@@ -41,6 +42,8 @@ class Tracker:
             os.environ.setdefault("WANDB_MODE", "offline")
             self.wandb = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name,
                                     dir=str(out), config=cfg.to_dict())
+        if saved_row is not None and start_step not in logged:
+            self.log(saved_row, step=start_step)
 
     def log(self, metrics, step):
         if not self.enabled:
@@ -68,9 +71,10 @@ class Tracker:
 
 def drop_rows_after(path, step):
     """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
-    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning."""
+    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning. Returns the
+    steps of the rows kept."""
     if not path.is_file():
-        return
+        return set()
     text = path.read_text(errors="replace")
     lines = [line for line in text.splitlines() if line.strip()]
     kept = []
@@ -87,6 +91,7 @@ def drop_rows_after(path, step):
         staging = path.with_name(path.name + ".tmp")
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, path)
+    return {json.loads(line)["step"] for line in kept}
 
 
 def stats(prefix, values):

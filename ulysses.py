@@ -155,6 +155,28 @@ def kv_repeats(num_heads, num_kv_heads, sp, key):
     return sp // num_kv_heads
 
 
+def check_models(cfg):
+    """Before any weights load: every model that runs with sp > 1 can be split sp ways (read from its
+    config.json alone): a text model (VL is refused), attention heads and KV heads as kv_repeats requires."""
+    from transformers import AutoConfig
+    import vision
+    arr = cfg.actor_rollout_ref
+    roles = [(f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", arr[role].ulysses_sequence_parallel_size,
+              arr.model) for role in ("actor", "ref")]
+    if cfg.algorithm.adv_estimator == "gae":
+        roles.append(("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size,
+                      cfg.critic.model))
+    for key, sp, model_cfg in roles:
+        if (sp or 1) <= 1:
+            continue
+        config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+        if vision.is_vision_language(config):
+            raise ConfigError(f"'{key}'={sp}: Ulysses sequence parallel is built for text models; a vision-language "
+                              f"model's image positions are not split yet: set it to 1")
+        kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                   or config.num_attention_heads, sp, key)
+
+
 class _LocalHeads:
     """The attention module as the inner attention function sees it on this rank: the same module, with the
     query/KV grouping of the local heads (after KV repetition the local ratio is smaller than the model's)."""

@@ -259,6 +259,11 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
 @pytest.mark.parametrize("entry, message", [
     ({"class_name": "no_such_module.Tool", "tool_schema": schema("t")}, "cannot import 'no_such_module'"),
     ({"class_name": "tools.NoSuchTool", "tool_schema": schema("t")}, "has no class 'NoSuchTool'"),
+    # a typo in the class (found by hand: the message named the module but not the class meant)
+    ({"class_name": "tools.Gsm8kTol", "tool_schema": schema("t")}, "has no class 'Gsm8kTol': did you mean 'Gsm8kTool'?"),
+    # a verl tool minirl has no stand-in for: say which one it has
+    ({"class_name": "verl.tools.search_tool.SearchTool", "tool_schema": schema("t")},
+     "of verl's tools minirl has verl.tools.gsm8k_tool.Gsm8kTool"),
     ({"class_name": "tools.ToolCall", "tool_schema": schema("t")}, "has no async 'create'"),
     ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {}}}, "needs function.name"),
     ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {"name": "t", "parameters": {
@@ -273,6 +278,7 @@ def test_invalid_tool_yaml_is_a_clear_error(tmp_path, entry, message):
     with pytest.raises(ConfigError, match="tools\\[0\\]") as err:
         tools.load_tools(path)
     assert message in str(err.value)
+    assert str(err.value).startswith(f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'")  # the whole key
     path.write_text("tools: [\n")
     with pytest.raises(ConfigError, match="not valid yaml"):
         tools.load_tools(path)

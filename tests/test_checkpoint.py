@@ -150,6 +150,33 @@ def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir,
     assert [r["training/epoch"] for r in resumed] == [1, 1, 2]
 
 
+def test_a_kill_between_the_save_and_the_metrics_append_loses_no_row(run_a, demo_dir, data_file, tmp_path):
+    """The state a kill leaves right after the step-4 checkpoint is in place but before step 4's row reaches
+    metrics.jsonl (found killing a run by hand: the resumed file went 1, 2, 3, 5): made from run_a's files, then
+    resumed. The checkpoint keeps the step's row, so the file reads 1..5 with run_a's numbers."""
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints" / "global_step_5")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:3]))
+    train(demo_dir, data_file, out)
+    rows = metric_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows == metric_rows(run_a / "metrics.jsonl")
+
+
+def test_rerunning_a_finished_run_adds_nothing(run_a, demo_dir, data_file, tmp_path):
+    """The same command again after the run finished (a retried job): found appending a validation row for the
+    last step on every rerun. Now it says the run is complete and leaves metrics.jsonl as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    before = (out / "metrics.jsonl").read_text()
+    again = train(demo_dir, data_file, out, f"data.val_files={data_file}", "trainer.val_before_train=true")
+    assert "the run is already complete (resumed at step 5 of 5)" in again.stdout
+    assert (out / "metrics.jsonl").read_text() == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resume_path and Hugging Face export
 
@@ -221,6 +248,19 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run(demo_dir, data_fi
     assert checkpoint.problems(root / "global_step_2") is None
 
 
+def test_export_never_mixes_with_an_earlier_export(run_a, tmp_path):
+    """Found exporting a LoRA checkpoint's adapter into the folder of its merged export: adapter_config.json and
+    the merged model.safetensors ended up side by side. A non-empty folder is refused, untouched."""
+    step5 = run_a / "checkpoints" / "global_step_5"
+    out = tmp_path / "export"
+    run([sys.executable, "minirl.py", "--export", step5, out])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "model.safetensors" in before and not list(tmp_path.glob("*.incomplete"))
+    again = run([sys.executable, "minirl.py", "--export", run_a / "checkpoints" / "global_step_4", out], expect_rc=2)
+    assert f"checkpoint error: --export: '{out}' exists and is not an empty folder" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad checkpoints
 
@@ -273,6 +313,20 @@ def test_other_model_is_refused_naming_the_parameter(ckpt_copy):
                        match=r"different actor model.*'model\.layers\.0\.mlp\.down_proj\.weight' has shape "
                              r"\[64, 128\] in the checkpoint and \[64, 96\] here"):
         checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(other)})
+
+
+def test_a_lora_setting_that_differs_from_the_checkpoints_is_named(ckpt_copy):
+    """Found by resuming a LoRA run without lora_rank: the error named a peft parameter name, not the key to set."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    step = ckpt_copy / "global_step_4"                               # a full fine-tuning checkpoint
+    with torch.device("meta"):
+        lora_model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            step / "actor" / "huggingface")), LoraConfig(r=8, target_modules="all-linear"))
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"the checkpoint was trained with actor_rollout_ref\.model\.lora_rank=0 and this run "
+                             r"has 8: set it to 0"):
+        checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(lora_model)})
 
 
 def test_other_world_size_is_refused_by_the_trainer(run_a, demo_dir, data_file, tmp_path):

@@ -251,6 +251,17 @@ def test_print_config_cli(paths):
     assert "train_batch_size: 8" in out.stdout
 
 
+def test_print_config_names_the_keys_without_effect(paths):
+    """--print-config is where a verl user checks a config before a run; it names verl's keys that change nothing
+    here as the run would (found passing verl's LoRA line with layered_summon: the run warned, the check did not)."""
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(write(paths, minimal(paths))),
+                          "--print-config", "--world-size", "2", "actor_rollout_ref.rollout.layered_summon=True"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert ("warning: config key 'actor_rollout_ref.rollout.layered_summon'=True has no effect in minirl: weights "
+            "are gathered one tensor at a time") in out.stderr
+
+
 def test_cli_reports_config_error_before_loading_models(paths):
     out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(write(paths, minimal(paths))),
                           "data.train_bacth_size=4"], capture_output=True, text=True, cwd=ROOT)

@@ -88,7 +88,9 @@ def test_sigint_to_one_worker_ends_every_rank(demo_dir, tmp_path):
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGINT)
     code, output = finish(proc)
     assert code != 0
-    assert output.count("rank 1: interrupted") == 1, output[-4000:]
+    # once from minirl (torchrun's closing report quotes it again, indented: failures.tell_torchrun)
+    assert output.count("rank 1: interrupted") - output.count("traceback : rank 1: interrupted") == 1, \
+        output[-4000:]
     assert "minirl.py\", line" not in output, output[-4000:]        # one line, no traceback of ours
 
 
@@ -117,3 +119,25 @@ def _alive(pid):
             return stat.read().split(")")[-1].split()[0] != "Z"      # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("bad", ["unknown_key", "data_without_prompt_column"])
+def test_torchruns_own_report_ends_with_the_error(demo_dir, tmp_path, bad):
+    """torchrun closes a failed job with its own traceback and a 'Root Cause' block; that block (the last thing on
+    screen) names minirl's one-line error, not a link to torch's docs (found by hand: a typo in a key ended in 40
+    lines whose last ones said nothing about it)."""
+    import pyarrow.parquet as pq
+    data = demo_dir / "data" / "train.parquet"
+    if bad == "data_without_prompt_column":
+        data = tmp_path / "no_prompt.parquet"
+        pq.write_table(pq.read_table(demo_dir / "data" / "train.parquet").drop(["prompt"]), data)
+    extra = ["actor_rollout_ref.actor.ppo_mini_bach_size=4"] if bad == "unknown_key" else []
+    out = subprocess.run(torchrun_cmd(2, "minirl.py", "--config", ROOT / "config.yaml",
+                                      f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={data}",
+                                      "data.val_files=null", f"af_output_dir={tmp_path / 'out'}", *extra),
+                         cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=BOUND_S)
+    assert out.returncode != 0
+    root_cause = out.stderr[out.stderr.rindex("Root Cause"):]
+    expected = ("traceback : config error: unknown config key 'actor_rollout_ref.actor.ppo_mini_bach_size'"
+                if bad == "unknown_key" else f"traceback : error: {data}: column 'prompt' is missing")
+    assert expected in root_cause, out.stderr[-3000:]

@@ -237,6 +237,15 @@ def test_target_modules_matching_nothing_name_the_layers_that_exist(tiny_model_d
     lora.check_target_modules(cfg.actor_rollout_ref.model)             # a list that matches passes
 
 
+def test_a_misspelt_all_linear_is_named(tiny_model_dir):
+    """Found typing target_modules=all_linear: peft reads any string as a regex, so it matched nothing."""
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_files=unused",
+                             "algorithm.adv_estimator=grpo", "actor_rollout_ref.model.lora_rank=8",
+                             "actor_rollout_ref.model.target_modules=all_linear"], check_paths=False)
+    with pytest.raises(ConfigError, match=r"'all_linear' .* matches no layer of .*: did you mean 'all-linear'\?"):
+        lora.check_target_modules(cfg.actor_rollout_ref.model)
+
+
 def test_verl_lora_example_passes_print_config(paths):  # noqa: F811
     """verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh (v0.5.0) with its LoRA keys."""
     verl_lora = ["algorithm.adv_estimator=grpo", "data.train_batch_size=1024", "data.max_prompt_length=512",

@@ -204,3 +204,15 @@ def test_engine_kwargs_are_checked_against_vllm(clean_env):
                                       "max_logprobs": 5}) == {"mm_processor_cache_gb": 0, "max_logprobs": 5}
     with pytest.raises(ConfigError, match=r"'engine_kwargs\.vllm\.not_a_vllm_argument' is not an argument"):
         passthrough_engine_kwargs({"not_a_vllm_argument": 1})
+
+
+def test_a_max_model_len_vllm_refuses_is_a_config_error_before_models_load(demo_dir, tmp_path):
+    """Found passing verl's LoRA example line (max_model_len=1536) on the demo model (512 positions): vLLM's
+    multi-line validation error came after the actor had loaded."""
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={tmp_path}",
+                   "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_model_len=1536",
+                   expect_ok=False)
+    assert ("config error: 'actor_rollout_ref.rollout.max_model_len'=1536 (when unset: data.max_prompt_length + "
+            "data.max_response_length) is more than the max_position_embeddings 512") in out.stderr, out.stderr[-3000:]
+    assert "Loading weights" not in out.stdout + out.stderr
