@@ -84,7 +84,7 @@ def test_ground_truth_is_needed_unless_the_custom_function_declares_otherwise(tm
 
 def test_the_trainer_stops_before_loading_models(demo_dir, tmp_path):
     """Under torchrun on 2 ranks: an unknown data_source in the validation file stops the run with exit 2, the
-    file and row named once, and no model was loaded."""
+    file and row named once (and in torchrun's Root Cause block), and no model was loaded."""
     rows = pq.read_table(demo_dir / "data" / "test.parquet").to_pylist()[:10]
     rows[7]["data_source"] = "my/unknown"
     val = tmp_path / "val.parquet"
@@ -93,7 +93,10 @@ def test_the_trainer_stops_before_loading_models(demo_dir, tmp_path):
                    f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={val}",
                    f"af_output_dir={tmp_path}/out", expect_ok=False, timeout=120)
     assert out.returncode != 0, out.stderr[-3000:]         # torchrun exits 1 whatever its workers exit with
-    assert out.stderr.count(f"error: {val}, row 7: no built-in reward for data_source='my/unknown'") == 1
+    message = f"error: {val}, row 7: no built-in reward for data_source='my/unknown'"
+    # printed once by the rank that found it (not once per rank), and shown again in torchrun's closing report
+    assert [line.startswith(message) for line in out.stderr.splitlines()].count(True) == 1, out.stderr[-3000:]
+    assert f"traceback : {message}" in out.stderr
     assert "Loading weights" not in out.stderr + out.stdout
 
 
