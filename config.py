@@ -1,5 +1,5 @@
 """minirl's configuration: loading (safe yaml reading, the two shapes, overrides), deriving verl's inherited values,
-and every check that can run before a model is loaded; `--to-verl`. The key table (defaults, types, valid ranges,
+and every check that can run before a model is loaded (`--to-verl` is to_verl.py). The key table (defaults, types, valid ranges,
 choices, refusals) is config_keys.py, verl's own tree verl_keys.py, the batch arithmetic batch_plan.py.
 
 Two yaml shapes load:
@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import math
 import os
 import re
-import shlex
 from pathlib import Path
 
 import yaml
@@ -34,13 +32,13 @@ import yaml
 import vision
 from batch_plan import check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
-                         MAX_VALUES, MINIRL_ONLY, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
+                         MAX_VALUES, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
                          set_dotted)
 from interpolation import resolve_interpolations
-from verl_keys import NO_EFFECT, VERL_DEFAULTS, VERL_UNDECLARED
+from verl_keys import NO_EFFECT, VERL_DEFAULTS
 
-__all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect", "to_verl",
-           "planning_world_size"]     # DEFAULTS, ConfigError and get_dotted are config_keys', re-exported
+__all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect",
+           "planning_world_size", "float_or_same"]     # DEFAULTS, ConfigError and get_dotted are config_keys', re-exported
 
 
 class Config(dict):
@@ -75,7 +73,8 @@ def _plain(tree):
     return tree
 
 
-def _defaults():
+def default_tree():
+    """A fresh tree of every key's default value (minirl's table, verl's keys included)."""
     def fresh(node):
         return {k: fresh(v) if isinstance(v, dict) else copy.deepcopy(v.default) for k, v in node.items()}
     return fresh(SCHEMA)
@@ -294,7 +293,7 @@ def _nest(parts, value):
 
 def load_config(path=None, overrides=(), world_size=None, check_paths=True):
     """Defaults <- yaml at `path` <- overrides; then derive, validate and return a Config."""
-    tree = _defaults()
+    tree = default_tree()
     if path is not None:
         _merge(tree, _normalise_shape(read_config_file(path), f"config file '{path}'"), [], str(path))
     for text in overrides:
@@ -381,7 +380,7 @@ def check_types(cfg):
     for dotted, spec in leaves():
         value = get_dotted(cfg, dotted)
         if spec.kinds is float and isinstance(value, str):
-            value = _float_or_same(value)   # yaml reads 1e-6 (no dot) as a string
+            value = float_or_same(value)   # yaml reads 1e-6 (no dot) as a string
             set_dotted(cfg, dotted, value)
         if (value is None and spec.nullable) or spec.kinds is None:
             continue
@@ -390,7 +389,7 @@ def check_types(cfg):
                               f"({type(value).__name__}); default is {spec.default!r}")
 
 
-def _float_or_same(text):
+def float_or_same(text):
     try:
         return float(text)
     except ValueError:
@@ -435,7 +434,7 @@ def _no_effect_reason(dotted):
 
 def settings_without_effect(cfg):
     """Warnings for NO_EFFECT keys set away from both minirl's and verl's default (printed at start-up)."""
-    defaults = _defaults()
+    defaults = default_tree()
     found = []
     for dotted in ALL_KEYS:
         reason, value = _no_effect_reason(dotted), get_dotted(cfg, dotted)
@@ -577,7 +576,7 @@ def _check_paths(cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Planning without torchrun, and the way to verl
+# Planning without torchrun
 
 def planning_world_size(cfg, requested=None):
     """(world size, where it came from) for --print-config: --world-size, else torchrun's WORLD_SIZE, else
@@ -594,57 +593,3 @@ def planning_world_size(cfg, requested=None):
         return (cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
                 f"trainer.nnodes x trainer.n_gpus_per_node = {cfg.trainer.nnodes} x {cfg.trainer.n_gpus_per_node}")
     return 1, "neither --world-size nor trainer.n_gpus_per_node is set"
-
-
-VERL_REFUSES = {"trainer.device": ("auto", "cpu"), "trainer.n_gpus_per_node": (None,)}   # minirl's values only
-
-
-def _hydra_value(value):
-    """`value` as Hydra (and minirl's yaml reading) parse it back."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        text = repr(value)
-        return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text   # yaml 1.1 needs the dot
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_hydra_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key}: {_hydra_value(item)}" for key, item in value.items()) + "}"
-    plain = (re.fullmatch(r"[A-Za-z0-9_./~+-]+", value) and yaml.safe_load(value) == value
-             and _float_or_same(value) == value)
-    return value if plain else json.dumps(value)
-
-
-def to_verl(cfg, world_size=None):
-    """verl's command line for the resolved config (the seed's backend_config flattened): every verl key whose value
-    differs from verl's default or minirl's, so that the line loads in both to this config; then a comment listing
-    the minirl-only settings it leaves out, in the same key=value form. `world_size` (--world-size) fills
-    trainer.n_gpus_per_node when it is null (torchrun decides in minirl; verl needs the number)."""
-    defaults = _defaults()
-    args, left_out = [], []
-    for dotted in ALL_KEYS:
-        value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
-        if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
-            value = world_size
-        if dotted in VERL_UNDECLARED:
-            if value != VERL_UNDECLARED[dotted] or value != get_dotted(defaults, dotted):
-                args.append(f"+{dotted}={_hydra_value(value)}")
-        elif dotted in MINIRL_ONLY or value in VERL_REFUSES.get(dotted, ()):
-            if value != get_dotted(defaults, dotted):     # loading the line in minirl gives the default back
-                left_out.append(f"{dotted}={_hydra_value(value)}")
-        elif value == verl_default and value == get_dotted(defaults, dotted):
-            continue
-        elif isinstance(value, dict):     # free-form: one entry each; '+' adds a key verl's tree lacks
-            verl_default, ours = verl_default or {}, get_dotted(defaults, dotted)
-            args += [f"{'' if key in verl_default else '+'}{dotted}.{key}={_hydra_value(item)}"
-                     for key, item in value.items()
-                     if verl_default.get(key, _UNKNOWN) != item or ours.get(key, _UNKNOWN) != item]
-        else:
-            args.append(f"{dotted}={_hydra_value(value)}")
-    lines = ["python3 -m verl.trainer.main_ppo"] + [shlex.quote(arg) for arg in args]
-    return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
-            "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")

@@ -125,8 +125,8 @@ class ModelEngine:
 
 def agent_loop(tokenizer, tool_map, response_length=48):
     from agent import AgentLoop
-    from config import Config, _defaults
-    multi_turn = Config.wrap(_defaults()["actor_rollout_ref"]["rollout"]["multi_turn"])
+    from config import Config, default_tree
+    multi_turn = Config.wrap(default_tree()["actor_rollout_ref"]["rollout"]["multi_turn"])
     multi_turn.update(enable=True, max_assistant_turns=3, max_user_turns=2)
     return AgentLoop(tokenizer, tool_map, multi_turn, response_length, eos_ids=[tokenizer.eos_token_id],
                      chat_template=TOOL_CHAT_TEMPLATE)

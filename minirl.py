@@ -57,14 +57,14 @@ import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
-from config import (ConfigError, load_config, planning_world_size, settings_without_effect,
-                    to_verl)
+from config import ConfigError, load_config, planning_world_size, settings_without_effect
 from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
                      seed_everything)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
+from to_verl import to_verl
 from tools import load_tools
 from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
 

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agent import AgentLoop, engine_generate  # noqa: E402
-from config import Config, _defaults  # noqa: E402
+from config import Config, default_tree  # noqa: E402
 from demo import build_tokenizer  # noqa: E402
 from demo_tools import TOOL_CHAT_TEMPLATE  # noqa: E402
 from rollout import Sampling  # noqa: E402
@@ -68,7 +68,7 @@ class TimedScriptedEngine:
 
 def rollout_once(tokenizer, args, mode):
     tool = LatencyTool(args.max_latency_ms / 1000)
-    multi_turn = Config.wrap(_defaults()["actor_rollout_ref"]["rollout"]["multi_turn"])
+    multi_turn = Config.wrap(default_tree()["actor_rollout_ref"]["rollout"]["multi_turn"])
     multi_turn.update(enable=True, max_assistant_turns=args.calls + 1)
     loop = AgentLoop(tokenizer, {"lookup": tool}, multi_turn, 1024, mode=mode, eos_ids=[tokenizer.eos_token_id],
                      chat_template=TOOL_CHAT_TEMPLATE)

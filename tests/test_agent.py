@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 import agent
 import tools
-from config import Config, ConfigError, _defaults
+from config import Config, ConfigError, default_tree
 from demo_tools import TOOL_CHAT_TEMPLATE
 from rollout import Sampling
 from tool_fixtures import schema, write_tool_yaml
@@ -29,7 +29,7 @@ def fixture_tools(tmp_path_factory):
 
 
 def multi_turn(**overrides):
-    cfg = Config.wrap(_defaults()["actor_rollout_ref"]["rollout"]["multi_turn"])
+    cfg = Config.wrap(default_tree()["actor_rollout_ref"]["rollout"]["multi_turn"])
     cfg.update({"enable": True, "max_parallel_calls": 4, **overrides})
     return cfg
 

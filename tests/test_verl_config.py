@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from config import ConfigError, load_config, settings_without_effect, to_verl
+from config import ConfigError, load_config, settings_without_effect
+from to_verl import to_verl
 from interpolation import resolve_interpolations
 from test_config import ROOT, _parse_verl_line, minimal, paths, write  # noqa: F401  (paths is a fixture)
 from verl_keys import VERL_DEFAULTS

@@ -1,0 +1,70 @@
+"""`--to-verl`: verl's command line (`python3 -m verl.trainer.main_ppo key=value ...`) for a resolved minirl config,
+so a user who outgrows one host runs the same experiment on verl with Ray. Keys verl lacks but reads go with
+Hydra's `+`; minirl-only settings are left out and listed in a trailing comment. The line loads back through
+minirl's own loader to the same config (tests/test_config.py, tests/test_verl_config.py)."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import yaml
+
+from config import default_tree, float_or_same
+from config_keys import ALL_KEYS, MINIRL_ONLY, get_dotted
+from verl_keys import VERL_DEFAULTS, VERL_UNDECLARED
+
+_ABSENT = object()
+
+VERL_REFUSES = {"trainer.device": ("auto", "cpu"), "trainer.n_gpus_per_node": (None,)}   # minirl's values only
+
+
+def _hydra_value(value):
+    """`value` as Hydra (and minirl's yaml reading) parse it back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        text = repr(value)
+        return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text   # yaml 1.1 needs the dot
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_hydra_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_hydra_value(item)}" for key, item in value.items()) + "}"
+    plain = (re.fullmatch(r"[A-Za-z0-9_./~+-]+", value) and yaml.safe_load(value) == value
+             and float_or_same(value) == value)
+    return value if plain else json.dumps(value)
+
+
+def to_verl(cfg, world_size=None):
+    """verl's command line for the resolved config (the seed's backend_config flattened): every verl key whose value
+    differs from verl's default or minirl's, so that the line loads in both to this config; then a comment listing
+    the minirl-only settings it leaves out, in the same key=value form. `world_size` (--world-size) fills
+    trainer.n_gpus_per_node when it is null (torchrun decides in minirl; verl needs the number)."""
+    defaults = default_tree()
+    args, left_out = [], []
+    for dotted in ALL_KEYS:
+        value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
+        if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
+            value = world_size
+        if dotted in VERL_UNDECLARED:
+            if value != VERL_UNDECLARED[dotted] or value != get_dotted(defaults, dotted):
+                args.append(f"+{dotted}={_hydra_value(value)}")
+        elif dotted in MINIRL_ONLY or value in VERL_REFUSES.get(dotted, ()):
+            if value != get_dotted(defaults, dotted):     # loading the line in minirl gives the default back
+                left_out.append(f"{dotted}={_hydra_value(value)}")
+        elif value == verl_default and value == get_dotted(defaults, dotted):
+            continue
+        elif isinstance(value, dict):     # free-form: one entry each; '+' adds a key verl's tree lacks
+            verl_default, ours = verl_default or {}, get_dotted(defaults, dotted)
+            args += [f"{'' if key in verl_default else '+'}{dotted}.{key}={_hydra_value(item)}"
+                     for key, item in value.items()
+                     if verl_default.get(key, _ABSENT) != item or ours.get(key, _ABSENT) != item]
+        else:
+            args.append(f"{dotted}={_hydra_value(value)}")
+    lines = ["python3 -m verl.trainer.main_ppo"] + [shlex.quote(arg) for arg in args]
+    return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
+            "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")
