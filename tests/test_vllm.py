@@ -83,7 +83,10 @@ def test_tp_groups_shard_the_model_and_sample_alike(sync_records):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def vllm_run(request, demo_dir, tmp_path_factory):
-    """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after."""
+    """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after. The step budget is one
+    sequence long (80 tokens), so each rank's prompts (8 of ~30 tokens; 50 in validation) take several scheduler
+    steps to prefill: with vLLM's chunked prefill on CPU this died at the first step ("CPU Generator does not use
+    offset"), as any run whose prompts outgrow max_num_batched_tokens did."""
     tp = request.param
     out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
     torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
@@ -93,7 +96,8 @@ def vllm_run(request, demo_dir, tmp_path_factory):
              "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
              "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-             "actor_rollout_ref.actor.optim.lr=1e-3")
+             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.max_num_batched_tokens=80",
+             "actor_rollout_ref.rollout.max_num_seqs=64")                  # vLLM: max_num_seqs <= the budget
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"dir": out, "rows": rows}
 
@@ -193,6 +197,11 @@ def test_engine_arguments_from_the_config(tiny_model_dir, tmp_path, clean_env):
     assert (kwargs["dtype"], kwargs["tensor_parallel_size"], kwargs["gpu_memory_utilization"]) == ("float32", 2, 0.3)
     assert kwargs["kv_cache_memory_bytes"] == 64 * 2**20      # CPU: a small KV cache instead of ~9 GiB
     assert kwargs["enable_sleep_mode"] is False               # no sleep mode on CPU
+    # CPU: whole prefills only (a cut one rewinds a seeded generator, which CPU generators cannot), and the step
+    # budget then at least one whole sequence
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 8192
+    small_budget = vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.max_num_batched_tokens=16")
+    assert vllm_engine_kwargs(small_budget, torch.device("cpu"))["max_num_batched_tokens"] == 32 + 8
     assert kwargs["max_logprobs"] == 3                        # engine_kwargs.vllm passes through
     assert "disable_mm_preprocessor_cache" not in kwargs      # the seed's `false` is vLLM's default
 
