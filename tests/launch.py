@@ -28,3 +28,10 @@ def torchrun(nproc, *args, timeout=600, expect_ok=True):
     if expect_ok:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
+
+
+def times_said(stderr, message):
+    """How many times the ranks printed `message`, not counting torchrun's Root Cause block, which repeats the
+    failing rank's line after "traceback : ". Counted in the text, not at line starts: a C++ warning from another
+    rank can be written in pieces around the line."""
+    return stderr.count(message) - stderr.count(f"traceback : {message}")

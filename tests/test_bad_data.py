@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from data import RLHFDataset
-from launch import ROOT, torchrun
+from launch import ROOT, times_said, torchrun
 from rewards import RewardFunctionError, check_rows, default_compute_score, score_responses
 import rewards
 
@@ -95,7 +95,7 @@ def test_the_trainer_stops_before_loading_models(demo_dir, tmp_path):
     assert out.returncode != 0, out.stderr[-3000:]         # torchrun exits 1 whatever its workers exit with
     message = f"error: {val}, row 7: no built-in reward for data_source='my/unknown'"
     # printed once by the rank that found it (not once per rank), and shown again in torchrun's closing report
-    assert [line.startswith(message) for line in out.stderr.splitlines()].count(True) == 1, out.stderr[-3000:]
+    assert times_said(out.stderr, message) == 1, out.stderr[-3000:]
     assert f"traceback : {message}" in out.stderr
     assert "Loading weights" not in out.stderr + out.stdout
 

@@ -22,7 +22,7 @@ import torch
 import checkpoint
 
 from conftest import padded_batch
-from launch import ROOT, launch_env, torchrun_cmd
+from launch import ROOT, launch_env, times_said, torchrun_cmd
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
@@ -445,7 +445,7 @@ def test_auto_resume_stops_when_no_checkpoint_is_intact(run_a, demo_dir, data_fi
     result = train(demo_dir, data_file, out, expect_rc=1)
     message = "checkpoint error: trainer.resume_mode=auto found checkpoints in"
     # said once by the first rank to fail (torchrun's Root Cause block repeats it after "traceback : ")
-    assert [line.startswith(message) for line in result.stderr.splitlines()].count(True) == 1, result.stderr[-3000:]
+    assert times_said(result.stderr, message) == 1, result.stderr[-3000:]
     assert "none is intact (global_step_5, global_step_4;" in result.stderr
     assert "trainer.resume_mode=disable" in result.stderr
     assert (out / "metrics.jsonl").read_text() == metrics_before       # the old rows are kept
