@@ -77,16 +77,18 @@ def caused_by_a_dead_peer(err):
     return isinstance(err, (dist.DistBackendError, RuntimeError)) and any(s in text for s in _PEER_GONE)
 
 
-def tell_torchrun(line):
+def tell_torchrun(line, failed_at):
     """torchrun ends a failed job with its own report, whose 'Root Cause' block shows the failing rank's error file
     (TORCHELASTIC_ERROR_FILE, set per worker), else only a link to torch's docs. Write our one line there, so the
-    last thing the user reads names the error."""
+    last thing the user reads names the error. failed_at: time.time() when this rank failed, before any other rank
+    could have stopped because of it."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     # torchrun takes the rank with the smallest timestamp as the root cause and stamps ranks without a file with its
-    # own clock, in whole seconds; a tie goes to the lowest rank, so this one is stamped a second early
-    stamp = int(time.time()) - 1
+    # own clock when it sees them exit, in whole seconds; a tie goes to the lowest rank, so this one is stamped a
+    # second before it failed
+    stamp = int(failed_at) - 1
     try:
         with open(path, "w") as f:
             # torch's own format (elastic's ErrorHandler.record_exception), the line standing in for the traceback
@@ -99,6 +101,7 @@ def report(err, rank, expected=()):
     """Print `err` for the job and return the exit code. `expected`: ((exception class, prefix, exit code), ...)
     for errors whose message is the whole story (bad config, data or checkpoint): one line, no traceback.
     Anything else prints its traceback and a one-line summary. Only the first failing rank prints in full."""
+    failed_at = time.time()
     if not _first_to_fail():
         why = "the other ranks stopped" if caused_by_a_dead_peer(err) else f"{type(err).__name__}"
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
@@ -106,7 +109,7 @@ def report(err, rank, expected=()):
         return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else 1
     line, code = _summary(err, rank, expected)
     print(line, file=sys.stderr, flush=True)
-    tell_torchrun(line)
+    tell_torchrun(line, failed_at)
     return code
 
 
