@@ -5,8 +5,8 @@ The workload (both sides): a tiny random-init Qwen2 built here (demo.py: hidden 
 --prompts gsm8k: the 64 GSM8K questions tests/data ships, as verl's gsm8k preprocessing writes them, 78-286
 tokens), scored by minirl's rule reward for their data source (rewards.default_compute_score: "#### N" for both),
 n=4 responses x up to 64 new tokens per step, sampling at temperature 1, KL loss k3 (low_var_kl) with coefficient
-0.01 (TRL's beta), PPO clip 0.2, token-mean loss (TRL's "dapo"), one optimizer step per batch (on-policy), micro-batches of 32 responses, gradient checkpointing on (both
-sides' default), lr 1e-3 constant, seed 1.
+0.01 (TRL's beta), PPO clip 0.2, token-mean loss (TRL's "dapo"), one optimizer step per batch (on-policy),
+micro-batches of 32 responses (--micro), gradient checkpointing on (both sides' default), lr 1e-3 constant, seed 1.
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
 vLLM importance-sampling correction off, which minirl does not have). Each process gets cores / processes torch
@@ -158,7 +158,8 @@ def trl_worker(args):
         "ground_truth": row["reward_model"]["ground_truth"], "data_source": row["data_source"]} for row in rows])
 
     def rule_reward(completions, ground_truth, data_source, **_):      # minirl's scorer for the row's data source
-        return [default_compute_score(s, c, g) for c, g, s in zip(completions, ground_truth, data_source)]
+        return [default_compute_score(source, completion, truth)
+                for completion, truth, source in zip(completions, ground_truth, data_source)]
 
     responses = w["prompts"] * w["n"]
     config = GRPOConfig(
@@ -346,12 +347,18 @@ def main():
     w = dict(QUICK if args.quick else FULL, prompt_set=args.prompts)
     if args.micro:
         w["micro"] = args.micro
+    responses = w["prompts"] * w["n"]
+    for procs in args.procs:       # TRL's gradient accumulation and minirl's micro-batch plan both need whole steps
+        if args.micro is not None and (args.micro < 1 or (responses // procs) % args.micro):
+            parser.error(f"--micro {args.micro} must divide the {responses // procs} responses each of {procs} "
+                         f"process(es) trains on ({w['prompts']} prompts x n={w['n']}); try a divisor such as 32")
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     build_assets(work, args.prompts)
-    print(f"workload: {w['prompts']} {args.prompts} prompts x n={w['n']} x {w['response_length']} new tokens, micro-batch "
-          f"{w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} dropped")
+    print(f"workload: {w['prompts']} {args.prompts} prompts x n={w['n']} x {w['response_length']} new tokens, "
+          f"micro-batch {w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} "
+          "dropped")
     results = {}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}", flush=True)

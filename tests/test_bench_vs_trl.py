@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 spec = importlib.util.spec_from_file_location("vs_trl", Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py")
 vs_trl = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(vs_trl)
@@ -53,3 +55,14 @@ def test_gsm8k_prompts_fit_the_benchs_max_prompt_length(tmp_path):
                for row in rows]
     assert len(rows) == 64 and {row["data_source"] for row in rows} == {"openai/gsm8k"}
     assert max(lengths) <= vs_trl.MAX_PROMPT_LENGTH["gsm8k"] and max(lengths) > 3 * min(lengths)
+
+
+def test_a_micro_batch_that_does_not_divide_a_process_share_is_refused(tmp_path, monkeypatch, capsys):
+    """64 prompts x 4 = 256 responses: 128 per process with --procs 2, 256 with 1; 48 divides neither, 64 both."""
+    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--sides", "minirl", "--procs", "2", "1", "--micro", "48",
+                                     "--work", str(tmp_path / "work")])
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.main()
+    assert stop.value.code == 2
+    assert "--micro 48 must divide the 128 responses each of 2 process(es)" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()                  # refused before anything was built
