@@ -9,13 +9,17 @@ the attention function). Which attention runs where (`attention_backend`):
     (`npu_fusion_attention`, layout TND, `actual_seq_qlen` = the boundaries), as verl does on NPU.
   * anything else (CPU): `minirl_varlen` below, causal sdpa over each sequence of the row in turn. transformers'
     own sdpa would build a dense block-diagonal mask over the whole row instead: quadratic in the packed length
-    (bench/step.py measures both, and flex attention with a document mask, which is slower on CPU).
+    (bench/step.py measures both, and flex attention with a document mask, which is slower on CPU). It also
+    takes rows that hold a GRPO group's prompt once (forward._pack_shared): a response segment then attends to
+    its group's prompt segment as well as causally to itself (`shared_prefixes`).
 Padded batches (an attention mask, no boundaries) take transformers' sdpa path unchanged.
 
 Left out: sliding-window attention in packed rows (an error names it), dropout inside attention on the packed
 CPU path (attention_dropout is 0 in the models minirl trains), ring or sequence-parallel attention.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ from transformers.masking_utils import sdpa_mask
 
 VARLEN_CPU = "minirl_varlen"
 BUCKET_LENGTH_RATIO = 1.5        # sequences of lengths within this ratio share one sdpa call (length_buckets)
+MASK_ELEMENTS = 2 ** 24          # the largest mask one call of shared-prefix attention builds (64 MiB in fp32)
 
 
 def attention_backend(device_type, use_remove_padding, flash_attn_installed=None):
@@ -63,12 +68,14 @@ def packed_boundaries(position_ids):
 
 
 def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                         sliding_window=None, cu_seq_lens_q=None, position_ids=None, **kwargs):
+                         sliding_window=None, cu_seq_lens_q=None, position_ids=None, shared_prefixes=None, **kwargs):
     """Registered as `minirl_varlen`. query [1, Hq, nnz, d], key/value [1, Hkv, nnz, d] -> ([1, nnz, Hq, d], None).
 
-    With a padding mask (the padded path) this is transformers' sdpa. Otherwise the row is cut at the sequence
-    boundaries (cu_seq_lens_q, else where the position ids restart) and each sequence gets causal attention on its
-    own: sequences of similar length (length_buckets) side by side in one sdpa call.
+    With a padding mask (the padded path) this is transformers' sdpa. Otherwise the row is cut at the segment
+    boundaries (cu_seq_lens_q, else where the position ids restart) and each segment gets causal attention on its
+    own: segments of similar length (length_buckets) side by side in one sdpa call. shared_prefixes [(start,
+    length) per segment] (forward._pack_shared): a response segment also sees all of the prompt segment it
+    continues, which the row holds once for the responses of a group; (0, 0) for none.
     """
     if attention_mask is not None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -77,34 +84,75 @@ def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None
         raise NotImplementedError("packed rows (use_remove_padding) on CPU do not support sliding-window attention; "
                                   "set use_remove_padding=false for this model")
     if cu_seq_lens_q is None or int(cu_seq_lens_q[-1]) != query.shape[2]:     # none given, or for another row
-        cu_seq_lens_q = (packed_boundaries(position_ids)[0] if position_ids is not None
-                         else torch.tensor([0, query.shape[2]]))
-    bounds = cu_seq_lens_q.tolist()
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        cu_seq_lens_q, shared_prefixes = (packed_boundaries(position_ids)[0] if position_ids is not None
+                                          else torch.tensor([0, query.shape[2]])), None
     gqa = query.shape[1] != key.shape[1]
-    outputs, positions = [], []
-    for bucket in length_buckets(lengths):
-        # the bucket's sequences side by side, right-padded to its longest: [n_b, L_b] positions in the row
-        longest = lengths[bucket[0]]
-        offsets = torch.arange(longest, device=query.device)
-        starts = torch.tensor([bounds[i] for i in bucket], device=query.device)
-        ends = torch.tensor([bounds[i + 1] for i in bucket], device=query.device)
-        index = torch.minimum(starts[:, None] + offsets, ends[:, None] - 1)    # padding repeats the last token
-        q, k, v = (x[0][:, index.reshape(-1)].unflatten(1, index.shape).transpose(0, 1)
-                   for x in (query, key, value))                               # [n_b, H, L_b, d]
-        # causal attention never looks right, so the padding at the end changes no real token's output
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa,
-                                             dropout_p=dropout if module.training else 0.0)   # [n_b, Hq, L_b, d]
-        real = offsets[None, :] < (ends - starts)[:, None]                     # [n_b, L_b]
+    buckets, order = row_layout(tuple(cu_seq_lens_q.tolist()), tuple(shared_prefixes or ()), query.device,
+                                query.dtype)
+    outputs = []
+    for q_index, k_index, mask, real in buckets:
+        q = query[0][:, q_index.reshape(-1)].unflatten(1, q_index.shape).transpose(0, 1)   # [n_b, Hq, Lq, d]
+        k, v = (x[0][:, k_index.reshape(-1)].unflatten(1, k_index.shape).transpose(0, 1)
+                for x in (key, value))                                                   # [n_b, Hkv, Lk, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                             enable_gqa=gqa, dropout_p=dropout if module.training else 0.0)
         outputs.append(out.transpose(0, 1)[:, real])                           # [Hq, tokens of the bucket, d]
-        positions.append(index[real])
-    order = torch.cat(positions).argsort()                                     # back to the row's order
     out = torch.cat(outputs, dim=1)[:, order].unsqueeze(0)                     # [1, Hq, nnz, d]
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.lru_cache(maxsize=1)      # every layer of a forward (and its recompute in backward) cuts the same row
+def row_layout(bounds, prefixes, device, dtype):
+    """How varlen_cpu_attention cuts a packed row with segment boundaries `bounds` (and shared `prefixes`, () for
+    none) into sdpa calls: [(q_index, k_index, mask, real)] (_bucket_layout) and `order`, which puts the calls'
+    kept outputs back in the row's order. Segments without a prefix are bucketed by length, those with one by
+    their key length (prefix + itself) apart from them, so a short response is not padded to a long prompt."""
+    segments = list(zip(bounds[:-1], bounds[1:]))
+    prefixes = prefixes or ((0, 0),) * len(segments)
+    buckets, positions = [], []
+    for has_prefix in (False, True):
+        members = [i for i, (_, length) in enumerate(prefixes) if (length > 0) == has_prefix]
+        key_lengths = [prefixes[i][1] + segments[i][1] - segments[i][0] for i in members]
+        for bucket in length_buckets(key_lengths):
+            chosen = [members[j] for j in bucket]
+            layout = _bucket_layout([segments[i] for i in chosen], [prefixes[i] for i in chosen], device, dtype)
+            buckets.append(layout)
+            positions.append(layout[0][layout[3]])
+    return buckets, torch.cat(positions).argsort()
+
+
+def _bucket_layout(segments, prefixes, device, dtype):
+    """One sdpa call: (q_index [n_b, Lq], k_index [n_b, Lk], mask, real [n_b, Lq]): the row positions of each
+    segment's queries and keys, right-padded by repeating the last token, and which query slots are kept.
+
+    Without prefixes: keys = queries = the segment, mask None (sdpa's is_causal). With them, query t of a
+    segment with a prefix of p tokens must see keys 0..p+t (the whole prefix, itself causally). Two ways:
+      * queries = the segment only, keys = [prefix, segment], an additive mask (0 / -inf in `dtype`)
+        [n_b, 1, Lq, Lk]: the least work (the prefix is never a query), used while the mask has at most
+        MASK_ELEMENTS elements;
+      * otherwise queries = keys = [prefix, segment] with is_causal, the prefix's query slots dropped: no mask
+        in memory, at the price of attending from the prefix again (attention only: projections and MLPs ran
+        once).
+    No real query ever sees the padding (at the end of its keys, past itself)."""
+    starts = torch.tensor([start for start, _ in segments], device=device)
+    lengths = torch.tensor([end - start for start, end in segments], device=device)
+    prefix_starts = torch.tensor([start for start, _ in prefixes], device=device)
+    prefix_lengths = torch.tensor([length for _, length in prefixes], device=device)
+    k_offsets = torch.arange(int((prefix_lengths + lengths).max()), device=device)
+    own = torch.minimum(k_offsets - prefix_lengths[:, None], lengths[:, None] - 1)     # [n_b, Lk] into the segment
+    k_index = torch.where(own < 0, prefix_starts[:, None] + k_offsets, starts[:, None] + own)
+    if not prefix_lengths.any() or len(segments) * int(lengths.max()) * len(k_offsets) > MASK_ELEMENTS:
+        real = (k_offsets >= prefix_lengths[:, None]) & (k_offsets < (prefix_lengths + lengths)[:, None])
+        return k_index, k_index, None, real
+    q_offsets = torch.arange(int(lengths.max()), device=device)
+    q_index = starts[:, None] + torch.minimum(q_offsets, lengths[:, None] - 1)          # [n_b, Lq]
+    visible = k_offsets[None, None, :] <= prefix_lengths[:, None, None] + q_offsets[None, :, None]   # [n_b, Lq, Lk]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return q_index, k_index, mask.unsqueeze(1), q_offsets[None, :] < lengths[:, None]
+
+
 def length_buckets(lengths, ratio=None):
-    """Sequence indices grouped for one sdpa call each, longest first: a group's longest is at most `ratio`
+    """Sequence (segment) indices grouped for one sdpa call each, longest first: a group's longest is at most `ratio`
     (BUCKET_LENGTH_RATIO) times its shortest, so right-padding a group to its longest costs at most ratio^2 x
     its sum of len^2, in about log_ratio(longest / shortest) calls (one call per sequence is slow on CPU)."""
     ratio = BUCKET_LENGTH_RATIO if ratio is None else ratio

@@ -104,17 +104,33 @@ def seqlen_metrics(lengths, parts):
             "global_seqlen/balanced_max": max(per_rank), "global_seqlen/mean": float(np.mean(before))}
 
 
-def balance_and_shard(batch, rank, world_size, balance=True):
+def balance_and_shard(batch, rank, world_size, balance=True, whole_groups=False):
     """Reorder the full batch rank-major so that rank r's rows are rows_of_rank(B, r, world_size); with `balance`
     (trainer.balance_batch) rank r gets the r-th of `world_size` equal-count partitions of near-equal token totals.
+    whole_groups: the partitions are of whole uid groups (a prompt's n responses stay together, in order, so the
+    packed forward holds their prompt once: forward.shares_prompts), when the groups are of one size and divide
+    over the ranks; rows otherwise, as verl.
     Returns (the reordered full batch, this rank's row indices in it, this rank's rows, global_seqlen metrics)."""
     lengths = batch["attention_mask"].sum(-1).tolist()
     metrics = {}
     if balance:
-        parts = balanced_partitions(lengths, world_size, equal_size=True)
+        units = uid_groups(batch) if whole_groups else None
+        if not units or len(units) % world_size or len({len(unit) for unit in units}) != 1:
+            units = [[i] for i in range(len(lengths))]
+        unit_parts = balanced_partitions([sum(lengths[i] for i in unit) for unit in units], world_size,
+                                         equal_size=True)
+        parts = [[i for u in part for i in units[u]] for part in unit_parts]
         metrics = seqlen_metrics(lengths, parts)
     else:
         parts = [rows_of_rank(len(lengths), r, world_size) for r in range(world_size)]
     batch = take(batch, [i for part in parts for i in part])                  # full batch, rank-major
     mine = rows_of_rank(len(lengths), rank, world_size)
     return batch, mine, take(batch, mine), metrics
+
+
+def uid_groups(batch):
+    """Row indices grouped by uid (the rows of one prompt), groups in order of first appearance; [] without uids."""
+    groups = {}
+    for row, uid in enumerate(batch.get("uid", [])):
+        groups.setdefault(uid, []).append(row)
+    return list(groups.values())

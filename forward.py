@@ -5,7 +5,11 @@ workers call it; the loading and sharding live there):
   * padded:  model(input_ids [b, L], attention_mask, position_ids)
   * packed (use_remove_padding): the micro-batch's valid tokens in one row [1, nnz], with the sequence
     boundaries passed as flash-attention's varlen keywords; the attention (attention.py) costs sum(len^2):
-    flash-attention varlen on CUDA, torch_npu's fused attention on NPU, sdpa per sequence on CPU.
+    flash-attention varlen on CUDA, torch_npu's fused attention on NPU, sdpa per sequence on CPU. With the CPU
+    attention, rows with the same prompt (a GRPO group's n responses) hold it once: [prompt + response 1,
+    response 2, ...], each later response attending to that one copy (_pack_shared). The prompt's hidden states
+    are the same in every row of the group, so the log-probs are the same (to rounding) and its gradient is the
+    sum of the rows' (autograd sums over the copy's uses); the layers do the prompt's work once instead of n times.
 Either way position L-R-1+t predicts response token t (verl's slice `[:, -R-1:-1]`), and only those positions
 reach the head: the final hidden states are cut to them inside the model's forward, and the LM head and
 log-softmax (divided by the sampling temperature) run over them in chunks, so the [tokens, vocab] logits of the
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 import ulysses
 import vision
+from attention import VARLEN_CPU
 from batch import balanced_partitions
 from losses import entropy_from_logits, logprobs_from_logits
 
@@ -60,14 +65,71 @@ def _pack(input_ids, attention_mask, position_ids):
     return ids, pos, indices, varlen
 
 
-def _model_inputs(model, batch, use_remove_padding):
+def prompt_groups(input_ids, attention_mask, prompt_len):
+    """Rows [b] grouped by their prompt (its valid tokens), groups in order of first appearance: [[rows], ...].
+    GRPO's n responses to one prompt form a group; so does any other repeat of a prompt."""
+    prompts = input_ids[:, :prompt_len].masked_fill(attention_mask[:, :prompt_len] == 0, -1)   # [b, P]
+    groups = {}
+    for row, tokens in enumerate(map(tuple, prompts.tolist())):
+        groups.setdefault(tokens, []).append(row)
+    return list(groups.values())
+
+
+def _pack_shared(input_ids, attention_mask, position_ids, response_len):
+    """Like _pack, with each prompt once: the rows of a group with the same prompt pack as [prompt + response 1,
+    response 2, response 3, ...], each response keeping its own position ids (they continue the prompt's).
+    Returns the packed ids/pos [1, nnz], the varlen keywords over these segments plus `shared_prefixes`
+    [(start, length) per segment]: the prompt a response segment continues ((0, 0): none), which the attention
+    reads, and the map from flat positions [b*L] to packed positions, where every row of a group reads the one
+    copy of its prompt."""
+    b, length = attention_mask.shape
+    prompt_len = length - response_len
+    valid = attention_mask.bool()
+    to_output = torch.zeros(b * length, dtype=torch.long, device=input_ids.device)
+    pieces, prefixes, bounds = [], [], [0]
+    for rows in prompt_groups(input_ids, attention_mask, prompt_len):
+        prompt = rows[0] * length + valid[rows[0], :prompt_len].nonzero(as_tuple=True)[0]   # [p] the one copy
+        shared = (bounds[-1], prompt.numel())
+        for row in rows:
+            response = row * length + prompt_len + valid[row, prompt_len:].nonzero(as_tuple=True)[0]   # [r]
+            first = row == rows[0]
+            segment = torch.cat([prompt, response]) if first else response
+            to_output[segment] = bounds[-1] + torch.arange(segment.numel(), device=segment.device)
+            if not first:
+                to_output[row * length + valid[row, :prompt_len].nonzero(as_tuple=True)[0]] = to_output[prompt]
+            if segment.numel():
+                pieces.append(segment)
+                prefixes.append((0, 0) if first else shared)
+                bounds.append(bounds[-1] + segment.numel())
+    indices = torch.cat(pieces)                                            # [nnz]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+    max_length = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+    varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
+              "max_length_k": max_length, "shared_prefixes": prefixes}
+    return (input_ids.reshape(-1)[indices].unsqueeze(0), position_ids.reshape(-1)[indices].unsqueeze(0), varlen,
+            to_output)
+
+
+def shares_prompts(model, use_remove_padding):
+    """Whether packed rows hold each prompt once (_pack_shared): packed text models whose attention is
+    minirl's varlen sdpa (attention.py; flash-attention's varlen kernels take no shared prefixes)."""
+    model = unwrapped(model)
+    return (use_remove_padding and model.config._attn_implementation == VARLEN_CPU
+            and not vision.is_vision_language(model.config))
+
+
+def _model_inputs(model, batch, use_remove_padding, share_prompts=False):
     """The model's keyword inputs (a vision-language model's images and rope positions too: vision.py), and a map
     from flat positions in [b*L] to positions of the model's output (packed: the index among valid tokens;
-    padded: the same position)."""
+    padded: the same position). share_prompts: each prompt once in the packed row (_pack_shared)."""
     input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     if not use_remove_padding:
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                 **vision.forward_kwargs(unwrapped(model), batch)}, None   # images: + pixels, rope positions [3, b, L]
+    if share_prompts and shares_prompts(model, use_remove_padding):
+        ids, pos, varlen, packed_index = _pack_shared(input_ids, attention_mask, position_ids,
+                                                      batch["responses"].shape[1])
+        return {"input_ids": ids, "position_ids": pos, **varlen}, packed_index
     ids, pos, indices, varlen = _pack(input_ids, attention_mask, position_ids)
     packed_index = attention_mask.reshape(-1).long().cumsum(0) - 1      # [b*L]: flat position -> packed position
     return {"input_ids": ids, "position_ids": pos, **varlen,           # images: + pixels, rope positions [4, 1, nnz]
@@ -96,7 +158,8 @@ def _kept_inputs(model, batch, keep, use_remove_padding, sp_group):
     positions in [b*L]), for this rank. With sp_group (Ulysses, packed rows only; ulysses.shard_packed): this
     rank's slice of the packed row and its kept positions in it. Also returns which of `keep` are this rank's,
     and `gather`, which puts every rank's per-position outputs back together in keep's order."""
-    inputs, to_output = _model_inputs(model, batch, use_remove_padding)
+    inputs, to_output = _model_inputs(model, batch, use_remove_padding,
+                                       share_prompts=sp_group is None and "responses" in batch)
     kept = keep if to_output is None else to_output[keep]
     if sp_group is None:
         return inputs, kept, slice(None), lambda values: values
@@ -209,19 +272,37 @@ def fixed_micro_batches(size, micro_batch_size):
     return [list(range(start, min(start + micro_batch_size, size))) for start in range(0, size, micro_batch_size)]
 
 
-def dynamic_micro_batches(lengths, max_tokens, device="cpu"):
+def dynamic_micro_batches(lengths, max_tokens, device="cpu", groups=None):
     """Partition rows so each micro-batch holds at most `max_tokens` tokens, using as many micro-batches as the
     rank that needs most (all-reduced, so every rank runs the same number of forward passes). Every rank holds
-    the same number of rows, so no micro-batch is empty."""
+    the same number of rows, so no micro-batch is empty. groups: [(rows, packed tokens)] that should share a
+    micro-batch (a prompt's rows, packed with the prompt once: shared_prompt_groups); one over the budget is
+    split into its rows."""
     if max(lengths, default=0) > max_tokens:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the token budget {max_tokens} "
                          f"(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu): raise it to at least "
                          f"max_prompt_length + max_response_length")
-    k = max(1, min(len(lengths), math.ceil(sum(lengths) / max_tokens)))
-    while any(sum(lengths[i] for i in part) > max_tokens for part in balanced_partitions(lengths, k)):
+    units = []                                                             # [(rows, tokens)]
+    for rows, tokens in groups or [([row], length) for row, length in enumerate(lengths)]:
+        units += [(rows, tokens)] if tokens <= max_tokens else [([row], lengths[row]) for row in rows]
+    costs = [tokens for _, tokens in units]
+    k = max(1, min(len(costs), math.ceil(sum(costs) / max_tokens)))
+    while any(sum(costs[i] for i in part) > max_tokens for part in balanced_partitions(costs, k)):
         k += 1
     if dist.is_initialized():
         count = torch.tensor([k], dtype=torch.long, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         k = int(count.item())
-    return balanced_partitions(lengths, k)
+    if k > len(units):                  # another rank needs more micro-batches than this one has groups: rows
+        units, costs = [([row], length) for row, length in enumerate(lengths)], lengths
+    return [sorted(row for i in part for row in units[i][0]) for part in balanced_partitions(costs, k)]
+
+
+def shared_prompt_groups(batch):
+    """[(rows, packed tokens)] of the prompt groups of a batch with responses: the rows' tokens with the prompt
+    counted once, as _pack_shared packs them."""
+    mask = batch["attention_mask"]
+    prompt_len = mask.shape[1] - batch["responses"].shape[1]
+    lengths, prompt_lengths = mask.sum(-1).tolist(), mask[:, :prompt_len].sum(-1).tolist()
+    return [(rows, sum(lengths[row] for row in rows) - (len(rows) - 1) * prompt_lengths[rows[0]])
+            for rows in prompt_groups(batch["input_ids"], mask, prompt_len)]

@@ -261,7 +261,7 @@ class Trainer:
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
             batch, mine, local, seqlen = balance_and_shard(batch, self.rank, self.world_size,
-                                                           cfg.trainer.balance_batch)
+                                                           cfg.trainer.balance_batch, self.actor.shares_prompts)
             metrics.update(seqlen)
 
             # 4. rewards: the score sits on the last response token

@@ -17,8 +17,8 @@ import vision
 from attention import attention_backend
 from batch import all_reduce_sum, batch_size_of, take
 from config import ConfigError
-from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, token_logprobs, token_values,
-                     unwrapped)
+from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, shared_prompt_groups,
+                     shares_prompts, token_logprobs, token_values, unwrapped)
 from losses import entropy_from_logits, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,6 +155,7 @@ class Worker:
     def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1, sp=1, sp_key=None):
         self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
         self.sp_group = self.dp_group = None
+        self.shares_prompts = sp == 1 and shares_prompts(model, use_remove_padding)   # each prompt once per row
         if sp > 1:
             if vision.is_vision_language(model.config):
                 raise ConfigError(f"'{sp_key}'={sp}: Ulysses sequence parallel is built for text models; a "
@@ -192,8 +193,9 @@ class Worker:
         """Row indices of each micro-batch: fixed size, or under a token budget (use_dynamic_bsz; the budget is
         per device, so a micro-batch split over sp devices may hold sp times as many tokens, as in verl)."""
         if dynamic:
+            groups = shared_prompt_groups(batch) if self.shares_prompts and "responses" in batch else None
             return dynamic_micro_batches(batch["attention_mask"].sum(-1).tolist(), max_tokens * self.sp,
-                                         device=self.device)
+                                         device=self.device, groups=groups)
         return fixed_micro_batches(batch["attention_mask"].shape[0], micro_size)
 
     def global_counts(self, mini):

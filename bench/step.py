@@ -14,11 +14,15 @@
    a fresh process; the peak is the rise of the resident set (ru_maxrss) over what it was before the pass.
 5. FLOP/s: the cores' fp32 matmul peak (2048^3, measured here) against the achieved FLOP/s of the packed actor
    forward+backward of part 2 (flops.training_flops).
+6. GRPO groups (n responses to each prompt, adjacent as the trainer's micro-batches hold them): the packed passes
+   with each prompt once in the row (forward._pack_shared) vs once per response, on GSM8K-sized prompts
+   (78..286 tokens) and on the demo's short ones (about 30), responses 16..64 tokens.
 
 Usage: .venv/bin/python bench/step.py [--steps 8] [--rounds 2] [--demo demo] [--repeats 5] [--skip-run] [--flex]
 (the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -34,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import attention  # noqa: E402
 import flops  # noqa: E402
+import forward  # noqa: E402
 from losses import entropy_from_logits, logprobs_from_logits  # noqa: E402
 from forward import _model_inputs, token_logprobs  # noqa: E402
 from timing import seconds_per_call  # noqa: E402
@@ -241,6 +246,60 @@ def flops_table(model_dir, batch, seconds):
             f"{achieved / 1e9:.1f} GFLOP/s, {achieved / peak:.1%} of the matmul peak")
 
 
+# -- 6. GRPO groups: each prompt once -----------------------------------------------------------------------------
+
+def grouped_batch(groups, n, vocab, prompt_lengths, response_lengths=(16, 64), seed=0):
+    """`groups` prompts x n responses, a group's rows adjacent; prompt and response lengths uniform in the
+    given (min, max); left-padded prompts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    P, R = prompt_lengths[1], response_lengths[1]
+    ids = torch.randint(10, vocab, (groups * n, P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for group in range(groups):
+        p = int(torch.randint(prompt_lengths[0], P + 1, (1,), generator=g))
+        rows = slice(group * n, (group + 1) * n)
+        ids[rows, :P] = ids[group * n, :P]
+        mask[rows, P - p:P] = 1
+        for row in range(group * n, (group + 1) * n):
+            mask[row, P:P + int(torch.randint(response_lengths[0], R + 1, (1,), generator=g))] = 1
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, P:], "response_mask": mask[:, P:]}
+
+
+@contextlib.contextmanager
+def prompts_packed_once(once):
+    """Switch forward's shared-prompt packing off (once=False) for a while."""
+    real = forward.shares_prompts
+    forward.shares_prompts = real if once else (lambda model, use_remove_padding: False)
+    try:
+        yield
+    finally:
+        forward.shares_prompts = real
+
+
+def shared_prompts_table(model_dir, rows, repeats, n=4):
+    model = load(model_dir, attention.VARLEN_CPU)
+    batches = {"GSM8K-sized prompts 78..286": grouped_batch(rows // n, n, model.config.vocab_size, (78, 286)),
+               "short prompts 26..34": grouped_batch(rows // n, n, model.config.vocab_size, (26, 34))}
+    lines = ["| micro-batch | pass | prompt per response s | prompt once s | ratio |", "|---|---|---|---|---|"]
+    for label, batch in batches.items():
+        valid = int(batch["attention_mask"].sum())
+        shape = f"{label}, {rows // n} x {n} responses 16..64 ({valid} tokens)"
+        for name, fn in (("actor forward+backward", update_pass), ("log-prob pass (no grad)", logprob_pass)):
+            times = {False: [], True: []}
+            for once in times:
+                with prompts_packed_once(once):
+                    fn(model, batch, True)                                  # warm up
+            for _ in range(repeats):
+                for once in times:                                          # alternating
+                    with prompts_packed_once(once):
+                        times[once] += seconds_per_call(lambda: fn(model, batch, True), 1)
+            each, once = statistics.median(times[False]), statistics.median(times[True])
+            lines.append(f"| {shape} | {name} | {each:.3f} | {once:.3f} | x{each / once:.2f} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -279,6 +338,8 @@ def main():
     print("\n## 5. FLOP/s of the actor update\n")
     print(flops_table(model_dir, batches["uniform 16..384"],
                       results["uniform 16..384"]["actor forward+backward"]["packed, minirl_varlen"]))
+    print(f"\n## 6. GRPO groups, each prompt once in the packed row vs once per response (median of {args.repeats})\n")
+    print(shared_prompts_table(model_dir, args.rows, args.repeats))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,82 @@ def test_packed_cpu_attention_matches_each_sequence_alone_in_float64(threads):
         torch.testing.assert_close(single, packed[s:e], atol=1e-6, rtol=0)
 
 
+def grouped_batch():
+    """GRPO-shaped rows: rows 0, 2 and 4 share one prompt (row 4's response is empty), rows 1 and 5 another (of
+    the longest length), row 3 has its own."""
+    batch = padded_batch([4, 6, 4, 3, 4, 6], [5, 2, 3, 4, 0, 5], seed=2)
+    for rows in ([0, 2, 4], [1, 5]):
+        batch["input_ids"][rows, :6] = batch["input_ids"][rows[0], :6]
+    batch["prompts"] = batch["input_ids"][:, :6]
+    return batch
+
+
+def test_shared_prompt_rows_hold_each_prompt_once_and_match_an_unpadded_forward(tiny_model_dir):
+    """minirl_varlen packs a group's prompt once ([prompt + response, response, ...]); log-probs, entropy and
+    gradients equal a one-sequence-at-a-time forward and the padded sdpa path."""
+    import attention
+    import forward
+    batch = grouped_batch()
+    inputs, _ = forward._model_inputs(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention.VARLEN_CPU), batch, True,
+        share_prompts=True)
+    assert inputs["input_ids"].shape[1] == (4 + 6 + 3) + (5 + 2 + 3 + 4 + 0 + 5)
+    response_mask = batch["attention_mask"][:, 6:].bool()
+    results = {}
+    for name, attn, rmpad in (("shared", attention.VARLEN_CPU, True), ("padded", "sdpa", False)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn)
+        logp, entropy = token_logprobs(model, batch, temperature=0.7, use_remove_padding=rmpad, calc_entropy=True)
+        (logp * response_mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (logp.detach(), entropy.detach(), grads)
+        if name == "shared":
+            with torch.no_grad():
+                expected = reference_logprobs(model, batch, temperature=0.7)
+    shared, padded = results["shared"], results["padded"]
+    assert torch.allclose(shared[0][response_mask], expected[response_mask], atol=1e-5)
+    assert torch.allclose(shared[1][response_mask], padded[1][response_mask], atol=1e-5)
+    assert torch.allclose(shared[2], padded[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_elements", [2 ** 24, 0])
+def test_shared_prefix_attention_matches_each_sequence_alone_in_float64(mask_elements, monkeypatch):
+    """varlen_cpu_attention with shared_prefixes: a row [prompt A + response, response, prompt B + response,
+    response, response] (responses of several lengths: several buckets) gives each response what causal
+    attention over its own [prompt, response] gives, computed in float64; both ways of attending to the prefix
+    (an additive mask, and causal attention over [prefix, response] when the mask would be over MASK_ELEMENTS)."""
+    import types
+
+    import torch.nn.functional as F
+    import attention
+    monkeypatch.setattr(attention, "MASK_ELEMENTS", mask_elements)
+    attention.row_layout.cache_clear()
+    prompt_a, prompt_b, responses_a, responses_b = 37, 5, [20, 64, 3], [50, 1, 9]
+    sequences = [(prompt_a, r) for r in responses_a] + [(prompt_b, r) for r in responses_b]
+    g = torch.Generator().manual_seed(0)
+    qkv = [[torch.randn(heads, p + r, 32, generator=g) for heads in (4, 2, 2)] for p, r in sequences]
+    for i in (1, 2, 4, 5):                                    # the repeats of a prompt: the same tokens, so q/k/v
+        first = 0 if i < 3 else 3
+        for x, x0 in zip(qkv[i], qkv[first]):
+            x[:, :sequences[i][0]] = x0[:, :sequences[first][0]]
+    row, bounds, prefixes, where = [[], [], []], [0], [], []
+    for i, (p, r) in enumerate(sequences):
+        first = i in (0, 3)
+        start = bounds[-1]
+        for part, x in zip(row, qkv[i]):
+            part.append(x if first else x[:, p:])
+        bounds.append(start + (p + r if first else r))
+        prefixes.append((0, 0) if first else (bounds[0 if i < 3 else 3], p))
+        where.append(start + (p if first else 0))             # where the response starts in the row
+    q, k, v = (torch.cat(part, 1).unsqueeze(0) for part in row)
+    out = attention.varlen_cpu_attention(types.SimpleNamespace(training=False), q, k, v, None,
+                                         cu_seq_lens_q=torch.tensor(bounds), shared_prefixes=prefixes)[0][0]
+    attention.row_layout.cache_clear()
+    for (p, r), (qq, kk, vv), start in zip(sequences, qkv, where):
+        expected = F.scaled_dot_product_attention(qq.double(), kk.repeat_interleave(2, 0).double(),
+                                                  vv.repeat_interleave(2, 0).double(), is_causal=True)
+        torch.testing.assert_close(out[start:start + r].double(), expected[:, p:].transpose(0, 1), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("device, remove_padding, flash_installed, expected", [
     ("cpu", True, False, "minirl_varlen"), ("cpu", False, False, "sdpa"),
     ("cuda", True, True, "flash_attention_2"), ("cuda", True, False, "minirl_varlen"), ("cuda", False, True, "sdpa"),
@@ -158,12 +234,54 @@ def test_balanced_partitions_equal_size():
     assert parts == [[0, 3, 4], [1, 2, 5]]
 
 
+def balance_batch(lengths, uids):
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    return {"attention_mask": mask, "uid": uids, "row": torch.arange(len(lengths))}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_balancing_whole_groups_keeps_a_prompts_rows_together(rank):
+    """Groups (a, b, c, d) of 2 rows with token totals a 9+8=17, b 1+1=2, c 7+6=13, d 2+3=5, into 2 ranks of 2
+    groups, heaviest first, each to the lighter rank: a -> r0 (17); c -> r1 (13); d -> r1 (18); b -> r0 (19).
+    Groups keep their rows in order; rows alone (verl's way) split groups: the 9 and the 8 land on different
+    ranks. Groups that do not divide over the ranks, or are of different sizes, fall back to rows."""
+    from batch import balance_and_shard
+    lengths, uids = [9, 8, 1, 1, 7, 6, 2, 3], list("aabbccdd")
+    batch, mine, local, metrics = balance_and_shard(balance_batch(lengths, uids), rank, 2, whole_groups=True)
+    assert batch["row"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert local["uid"] == [list("aabb"), list("ccdd")][rank] and mine == [[0, 1, 2, 3], [4, 5, 6, 7]][rank]
+    assert (metrics["global_seqlen/balanced_min"], metrics["global_seqlen/balanced_max"]) == (18, 19)
+    by_rows = balance_and_shard(balance_batch(lengths, uids), rank, 2)[0]["row"].tolist()
+    assert (0 in by_rows[:4]) != (1 in by_rows[:4])
+    for rows, groups in ((6, uids[:6]), (8, list("aaabbbcc"))):     # 3 groups over 2 ranks; groups of 3 and 2
+        fallback = balance_and_shard(balance_batch(lengths[:rows], groups), rank, 2, whole_groups=True)
+        assert fallback[0]["row"].tolist() == balance_and_shard(balance_batch(lengths[:rows], groups), rank, 2)[0][
+            "row"].tolist()
+
+
 def test_dynamic_micro_batches_respect_budget():
     lengths = [7, 3, 5, 2, 8, 1]
     parts = dynamic_micro_batches(lengths, max_tokens=10)
     assert sorted(i for p in parts for i in p) == list(range(6))
     assert all(sum(lengths[i] for i in p) <= 10 for p in parts)
     assert len(parts) == 3          # 26 tokens need at least 3 budgets of 10
+
+
+def test_dynamic_micro_batches_keep_a_prompts_rows_together_under_the_packed_budget():
+    """Rows 0, 2, 4 share a 4-token prompt, rows 1, 5 a 6-token one, row 3 is alone (grouped_batch): packed with
+    each prompt once the groups hold 4+5+3+0=12, 6+2+5=13 and 7 tokens. Budget 13: three micro-batches, one per
+    group. Budget 12: the 13-token group is split into its rows (8 and 11 tokens)."""
+    from forward import shared_prompt_groups
+    batch = grouped_batch()
+    lengths = batch["attention_mask"].sum(-1).tolist()                 # [9, 8, 7, 7, 4, 11]
+    groups = shared_prompt_groups(batch)
+    assert groups == [([0, 2, 4], 12), ([1, 5], 13), ([3], 7)]
+    assert sorted(dynamic_micro_batches(lengths, 13, groups=groups)) == [[0, 2, 4], [1, 5], [3]]
+    parts = dynamic_micro_batches(lengths, 12, groups=groups)
+    assert sorted(i for p in parts for i in p) == list(range(6)) and not any({1, 5} <= set(p) for p in parts)
+    assert any({0, 2, 4} <= set(p) for p in parts)
 
 
 def test_response_mask_stops_after_first_eos():
