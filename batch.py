@@ -75,8 +75,8 @@ def all_reduce_sum(values, device, group=None):
 def balanced_partitions(lengths, k, equal_size=False):
     """Split row indices into k groups with near-equal total length (longest-first greedy: each row goes to the
     lightest group; with equal_size, only to groups that still have room). Groups keep ascending row order.
-    verl uses Karmarkar-Karp here; the partition differs, the loss does not (it is normalised over the whole
-    mini-batch)."""
+    verl uses Karmarkar-Karp here; the partition differs. With one mini-batch per step the loss does not (it is
+    normalised over the whole mini-batch); with several, the rows updated together differ."""
     n = len(lengths)
     capacity = math.ceil(n / k) if equal_size else n
     heap = [(0, g) for g in range(k)]
