@@ -428,8 +428,10 @@ def check_ranges(cfg):
 
 
 def _no_effect_reason(dotted):
-    return next((why for key, why in NO_EFFECT.items()
-                 if dotted == key.rstrip(".") or (key.endswith((".", "_")) and dotted.startswith(key))), None)
+    """NO_EFFECT's reason for a key: its own entry's, else that of the innermost subtree holding it (None: read)."""
+    holders = [key for key in NO_EFFECT
+               if dotted == key.rstrip(".") or (key.endswith((".", "_")) and dotted.startswith(key))]
+    return NO_EFFECT[max(holders, key=len)] if holders else None
 
 
 def settings_without_effect(cfg):

@@ -41,12 +41,14 @@ def free(default=None):
 SIZE, COUNT, POSITIVE, UNIT, SEED = "[1, inf)", "[0, inf)", "(0, inf)", "[0, 1]", "[0, 4294967296)"
 OFF_OR_SIZE, OFF_OR_COUNT = "-1 or [1, inf)", "-1 or [0, inf)"
 
-# fsdp_config: minirl reads none of it (FSDP2 shards every decoder layer); the ranges of verl's numbers, and the two
-# keys verl v0.5.0's fsdp_workers reads for actor, ref and critic without declaring them (model_dtype, and
-# mixed_precision: a mapping of param_dtype/reduce_dtype/buffer_dtype). verl's other keys come from verl_keys.
+# fsdp_config: minirl reads reshard_after_forward (models.shard_fsdp2; FSDP2 shards every decoder layer); the rest
+# are the ranges of verl's numbers, and the two keys verl v0.5.0's fsdp_workers reads for actor, ref and critic
+# without declaring them (model_dtype, and mixed_precision: a mapping of param_dtype/reduce_dtype/buffer_dtype).
+# verl's other keys come from verl_keys.
 _WRAP_POLICY = {"min_num_params": Key(0, COUNT)}
 _DTYPES = {"model_dtype": null(str), "mixed_precision": Key(None, kinds=dict)}
-_FSDP_CONFIG = {"fsdp_size": Key(-1, OFF_OR_SIZE), "wrap_policy": _WRAP_POLICY, **_DTYPES}        # actor, critic
+_FSDP_CONFIG = {"fsdp_size": Key(-1, OFF_OR_SIZE), "wrap_policy": _WRAP_POLICY, "reshard_after_forward": True,
+                **_DTYPES}                                                                      # actor, critic
 _OPTIM = {"lr": Key(1e-6, POSITIVE), "betas": Key([0.9, 0.999], "[0, 1)", [float]),
           "weight_decay": Key(0.01, COUNT), "lr_warmup_steps": Key(-1, OFF_OR_COUNT),
           "lr_warmup_steps_ratio": Key(0.0, UNIT), "warmup_style": "constant", "min_lr_ratio": Key(0.0, UNIT),
@@ -96,7 +98,8 @@ DEFAULTS = {
         },
         "ref": {
             "strategy": "fsdp2", "use_torch_compile": null(bool), **_LOG_PROB,
-            "ulysses_sequence_parallel_size": null(int, SIZE), "fsdp_config": {"wrap_policy": _WRAP_POLICY, **_DTYPES},
+            "ulysses_sequence_parallel_size": null(int, SIZE),
+            "fsdp_config": {"wrap_policy": _WRAP_POLICY, "reshard_after_forward": True, **_DTYPES},
         },
         "rollout": {
             "name": "vllm", "mode": "sync", "temperature": Key(1.0, POSITIVE, why=_TEMPERATURE_WHY),
@@ -137,7 +140,8 @@ DEFAULTS = {
         "enable": False, "strategy": "fsdp2",
         "model": {"input_tokenizer": null(str), "path": null(str), "use_remove_padding": False,
                   "trust_remote_code": False,
-                  "fsdp_config": {"fsdp_size": Key(-1, OFF_OR_SIZE), "wrap_policy": _WRAP_POLICY}},
+                  "fsdp_config": {"fsdp_size": Key(-1, OFF_OR_SIZE), "wrap_policy": _WRAP_POLICY,
+                                  "reshard_after_forward": True}},
         **{key: null(int, SIZE) for key in ("micro_batch_size", "micro_batch_size_per_gpu", "max_length",
                                             "forward_max_token_len_per_gpu")},
         "use_dynamic_bsz": null(bool), "reward_manager": "naive", "launch_reward_fn_async": False,

@@ -3,6 +3,7 @@ critic, reward model): their micro-batching, AdamW, LR schedule and clipping. Th
 padded, logits only at the response positions) is forward.py."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -72,16 +73,40 @@ def decoder_layers(model):
     return list(layers) + vision.vision_blocks(model)
 
 
-def shard_fsdp2(model, mixed_precision=False):
+def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True):
     """FSDP2: fully_shard each decoder layer, then the root. Parameters stay fp32 (master weights); with
-    mixed_precision the forward/backward run in bf16 and gradients are reduced in fp32."""
+    mixed_precision the forward/backward run in bf16 and gradients are reduced in fp32.
+
+    reshard_after_forward (verl's fsdp_config key): true frees each layer's gathered parameters after its forward
+    and gathers them again for backward (torch's default, which keeps the root's for the backward that follows);
+    false keeps every layer's from forward to backward, for the memory of the whole unsharded model meanwhile.
+    Since that memory is then taken anyway, minirl keeps them for the rest of the mini-batch too (Worker.optimize:
+    one all-gather per layer and mini-batch; verl gathers again for each micro-batch) and for the rest of a no-grad
+    pass (frozen_pass). Gradients are reduce-scattered after each micro-batch's backward either way."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
               else MixedPrecisionPolicy())
+    keep_gathered = None if reshard_after_forward else False          # None: torch's default, described above
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=keep_gathered)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=keep_gathered)
     return model
+
+
+@contextlib.contextmanager
+def frozen_pass(model):
+    """A no-grad pass over micro-batches that hands back every gathered parameter at its end. Without a backward
+    to free them, FSDP2 keeps whatever forward left gathered: the root's (embeddings and LM head) always, and with
+    reshard_after_forward=false every layer's, which the pass's later micro-batches then reuse without gathering
+    again. Freeing them here keeps a reference model from holding them through generation."""
+    from torch.distributed.fsdp import FSDPModule
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def full_state_dict_items(model, keep=None):
@@ -94,7 +119,6 @@ def full_state_dict_items(model, keep=None):
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,8 +167,8 @@ class MiniBatchPlan:
 
 
 class Worker:
-    """An FSDP2-sharded model on this rank. `optim_cfg` makes it trainable (AdamW + verl's LR schedule);
-    without it the model is frozen in eval mode.
+    """An FSDP2-sharded model on this rank (`fsdp_cfg`: its role's fsdp_config). `optim_cfg` makes it trainable
+    (AdamW + verl's LR schedule); without it the model is frozen in eval mode.
 
     sp > 1 (Ulysses, ulysses.py; `sp_key` names its config key): each group of sp consecutive ranks works on the
     rows all its ranks brought (`group_rows`), each rank on a slice of every packed row; token budgets scale by
@@ -152,7 +176,8 @@ class Worker:
 
     skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
 
-    def __init__(self, model, device, use_remove_padding, optim_cfg=None, total_steps=1, sp=1, sp_key=None):
+    def __init__(self, model, device, use_remove_padding, fsdp_cfg, optim_cfg=None, total_steps=1, sp=1,
+                 sp_key=None):
         self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
         self.sp_group = self.dp_group = None
         self.shares_prompts = sp == 1 and shares_prompts(model, use_remove_padding)   # each prompt once per row
@@ -163,7 +188,9 @@ class Worker:
             self.sp_group, self.dp_group = ulysses.device_groups(device.type, sp)
             ulysses.enable(model, sp, self.sp_group, sp_key)
         model.to(device)
-        self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu")
+        self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu",
+                                 reshard_after_forward=fsdp_cfg.reshard_after_forward)
+        self.keep_gathered = not fsdp_cfg.reshard_after_forward
         if optim_cfg is None:
             self.model.eval()
             for p in self.model.parameters():
@@ -240,7 +267,10 @@ class Worker:
                 counts = self.global_counts(mini)
                 self.optimizer.zero_grad(set_to_none=True)
                 shares = {}
-                for index in self.micro_batches(mini, plan.micro_batch_rows, plan.dynamic, plan.max_tokens):
+                micro_batches = self.micro_batches(mini, plan.micro_batch_rows, plan.dynamic, plan.max_tokens)
+                for k, index in enumerate(micro_batches):
+                    if self.keep_gathered:     # the weights do not change before the optimizer step: gather once
+                        self.model.set_reshard_after_backward(k == len(micro_batches) - 1)
                     loss, micro_metrics = loss_fn(self.to_device(take(mini, index)), counts)
                     (loss * plan.dp_size).backward()          # FSDP averages gradients over the dp ranks
                     for name, value in micro_metrics.items():
@@ -290,8 +320,9 @@ class Policy(Worker):
             model = lora.wrap(model, arr.model)
             lora.log_parameter_counts(model, arr.model)
         role = "actor" if trainable else "ref"
-        super().__init__(model, device, arr.model.use_remove_padding, arr.actor.optim if trainable else None,
-                         total_steps, sp=arr[role].ulysses_sequence_parallel_size,
+        super().__init__(model, device, arr.model.use_remove_padding, arr[role].fsdp_config,
+                         arr.actor.optim if trainable else None, total_steps,
+                         sp=arr[role].ulysses_sequence_parallel_size,
                          sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
         self.cfg = cfg
         entropy = entropy_from_logits
@@ -323,7 +354,7 @@ class Policy(Worker):
         b, response_len = batch["responses"].shape
         logp = torch.zeros(b, response_len)
         entropy = torch.zeros(b, response_len) if calc_entropy else None
-        with torch.no_grad():
+        with frozen_pass(self.model):
             for index in self.micro_batches(batch, micro_size, dynamic, max_tokens):
                 lp, ent = self.forward(self.to_device(take(batch, index)), temperature, calc_entropy)
                 logp[index] = lp.cpu()
@@ -389,8 +420,9 @@ class Critic(Worker):
                            gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, critic.model.use_remove_padding))
         check_fits(model, tokenizer_len, "critic.model.path")
-        super().__init__(model, device, critic.model.use_remove_padding, critic.optim, total_steps,
-                         sp=critic.ulysses_sequence_parallel_size, sp_key="critic.ulysses_sequence_parallel_size")
+        super().__init__(model, device, critic.model.use_remove_padding, critic.model.fsdp_config, critic.optim,
+                         total_steps, sp=critic.ulysses_sequence_parallel_size,
+                         sp_key="critic.ulysses_sequence_parallel_size")
         self.cfg = critic
 
     def compute_values(self, batch, micro_size):
@@ -398,7 +430,7 @@ class Critic(Worker):
         batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         values = torch.zeros(b, response_len)
-        with torch.no_grad():
+        with frozen_pass(self.model):
             for index in self.micro_batches(batch, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 values[index] = token_values(self.model, self.to_device(take(batch, index)),
@@ -433,7 +465,7 @@ class RewardModel(Worker):
         self.retokenize = (self.tokenizer.get_vocab() != actor_tokenizer.get_vocab()
                            or self.tokenizer.chat_template != actor_tokenizer.chat_template)
         check_fits(model, len(self.tokenizer if self.retokenize else actor_tokenizer), "reward_model.model.path")
-        super().__init__(model, device, rm.model.use_remove_padding)
+        super().__init__(model, device, rm.model.use_remove_padding, rm.model.fsdp_config)
         self.cfg, self.actor_tokenizer = rm, actor_tokenizer
 
     def rm_inputs(self, batch):
@@ -463,7 +495,7 @@ class RewardModel(Worker):
         """Scores [b] for this rank's rows, micro-batched."""
         inputs = self.rm_inputs(batch)
         scores = torch.zeros(inputs["input_ids"].shape[0])
-        with torch.no_grad():
+        with frozen_pass(self.model):
             for index in self.micro_batches(inputs, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 micro = self.to_device(take(inputs, index))

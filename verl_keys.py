@@ -159,7 +159,8 @@ FREE_FORM = (
 )
 
 # verl keys that load (so verl configs work) but change nothing in minirl: set to anything but their default, they
-# earn one warning naming them. A key ending in '.' covers its whole subtree.
+# earn one warning naming them. A key ending in '.' covers its whole subtree; a longer entry inside a subtree wins,
+# and None there says minirl does read that key.
 NO_EFFECT = {
     "data.use_shm": "files are read from their local path",
     "data.val_batch_size": "validation generates the whole set at once (verl's default)",
@@ -183,14 +184,18 @@ NO_EFFECT = {
     "actor_rollout_ref.actor.policy_loss.kl_cov_ratio": "used only by loss_mode kl_cov (minirl: vanilla)",
     "actor_rollout_ref.actor.policy_loss.ppo_kl_coef": "used only by loss_mode gpg/kl_cov (minirl: vanilla)",
     "actor_rollout_ref.actor.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": None,
     "actor_rollout_ref.ref.fsdp_config.": "FSDP2 shards every decoder layer and the root",
+    "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": None,
     "actor_rollout_ref.ref.entropy_": "the reference model computes no entropy",
     "actor_rollout_ref.ref.strategy": "the reference model uses the actor's FSDP2",
     "critic.model.fsdp_config.": "FSDP2 shards every decoder layer and the root, fp32 master weights",
+    "critic.model.fsdp_config.reshard_after_forward": None,
     "critic.model.external_lib": "not imported",
     "critic.model.enable_activation_offload": "activations stay on the device",
     "critic.model.use_shm": "models are read from their local path",
     "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
+    "reward_model.model.fsdp_config.reshard_after_forward": None,
     "reward_model.model.external_lib": "not imported",
     "reward_model.model.use_fused_kernels": "no fused kernels",
     "reward_model.model.use_shm": "models are read from their local path",

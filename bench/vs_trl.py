@@ -10,7 +10,9 @@ micro-batches of 32 responses (--micro), gradient checkpointing on (both sides' 
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
 vLLM importance-sampling correction off, which minirl does not have). Each process gets cores / processes torch
-threads on both sides (minirl's rule, set explicitly in TRL's processes).
+threads on both sides (minirl's rule, set explicitly in TRL's processes). With 2 processes TRL's model is a whole
+copy in each (accelerate's DDP), so minirl keeps each layer's gathered parameters from forward to backward too
+(verl's fsdp_config.reshard_after_forward=false, actor and reference): the same memory, fewer all-gathers.
 
 Runs alternate (minirl, TRL, minirl, TRL ... per mode and layout, --rounds times) so a change in the shared
 machine's load hits both. Each run does --steps optimizer steps; the first --warmup are dropped (allocators, vLLM's
@@ -109,7 +111,9 @@ def minirl_command(work, out, mode, procs, steps, w):
             "actor_rollout_ref.actor.use_kl_loss=true", f"actor_rollout_ref.actor.kl_loss_coef={KL_COEF}",
             "actor_rollout_ref.actor.kl_loss_type=low_var_kl", f"actor_rollout_ref.actor.clip_ratio={CLIP}",
             "actor_rollout_ref.actor.loss_agg_mode=token-mean", f"actor_rollout_ref.actor.optim.lr={LR}",
-            "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.rollout.temperature=1.0"]
+            "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.rollout.temperature=1.0",
+            "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+            "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false"]
 
 
 def minirl_steps(out, w):

@@ -5,12 +5,15 @@
 VARIANT is `name:key=value,key=value` (config overrides). Each variant loads the model afresh, computes the
 log-probs and entropy of this rank's contiguous share of the batch (Policy.compute_log_prob) and runs Policy.update
 on it, and rank 0 saves the full log-probs, entropy, gradients and the weights after the optimizer step under
-OUT.pt[name].
+OUT.pt[name], with what FSDP did: the parameters left gathered after the log-prob pass and the all-gathers of the
+update.
 """
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch import all_gather_rows, rows_of_rank, take  # noqa: E402
@@ -27,6 +30,21 @@ BASE = ["algorithm.adv_estimator=grpo", "data.train_batch_size=4", "actor_rollou
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.temperature=0.9",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false", "data.max_prompt_length=6",
         "data.max_response_length=5", "trainer.logger=[console]"]
+
+
+@contextlib.contextmanager
+def counting(module, name):
+    """Record each call of module.name in the yielded list."""
+    inner, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, inner)
 
 
 def full(tensor):
@@ -50,15 +68,18 @@ def main(batch_path, out_path, model_dir, *variants):
                                                rollout.log_prob_use_dynamic_bsz,
                                                rollout.log_prob_max_token_len_per_gpu, rollout.temperature,
                                                calc_entropy=True)
+        gathered = [n for n, p in actor.model.named_parameters() if not isinstance(p, DTensor)]
         layer_calls = []    # checkpointing re-enters each layer in backward (a pre-hook: recompute may stop early)
         hook = decoder_layers(actor.model)[0].register_forward_pre_hook(lambda *_: layer_calls.append(1))
-        metrics = actor.update(local, dp_size=plan["dp"])
+        with counting(torch.distributed, "all_gather_single") as all_gathers:        # FSDP2's unshard
+            metrics = actor.update(local, dp_size=plan["dp"])
         hook.remove()
         grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
         weights = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
         results[name] = {"grads": grads, "weights": weights, "metrics": metrics,
                          "log_probs": all_gather_rows(logp, world), "entropy": all_gather_rows(entropy, world),
-                         "update_layer_calls": len(layer_calls)}
+                         "update_layer_calls": len(layer_calls), "gathered_after_log_prob": gathered,
+                         "update_all_gathers": len(all_gathers)}
     if rank == 0:
         torch.save(results, out_path)
     torch.distributed.barrier()           # no rank tears gloo down while another still uses it

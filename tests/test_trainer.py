@@ -157,6 +157,12 @@ VARIANTS = {
 }
 
 
+WORLD2_CHECKPOINTING = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
+                        "actor_rollout_ref.model.enable_gradient_checkpointing=true")      # 2 micro-batches per rank
+TWO_STEPS = "actor_rollout_ref.actor.ppo_mini_batch_size=2,actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"
+KEEP_GATHERED = "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"
+
+
 @pytest.fixture(scope="module")
 def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("oracle_out")
@@ -165,13 +171,16 @@ def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
     world2 = ["world2:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
               "world2_micro1:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
               "world2_dynamic:actor_rollout_ref.actor.use_dynamic_bsz=true,"
-              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"]
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
+              f"world2_checkpointing:{WORLD2_CHECKPOINTING}",
+              f"world2_gathered:{WORLD2_CHECKPOINTING},{KEEP_GATHERED}",
+              f"world2_two_steps:{TWO_STEPS}", f"world2_two_steps_gathered:{TWO_STEPS},{KEEP_GATHERED}"]
     torchrun(2, "tests/oracle_step.py", fixed_batch, out / "w2.pt", tiny_model_dir, *world2)
     return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"] + ["world2", "world2_micro1",
-                                                                              "world2_dynamic"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"] + ["world2", "world2_micro1", "world2_dynamic",
+                                                                              "world2_checkpointing", "world2_gathered"])
 def test_one_update_is_independent_of_batching(oracle_results, variant, tiny_model_dir):
     base, other = oracle_results["base"], oracle_results[variant]
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
@@ -195,6 +204,35 @@ def test_gradient_checkpointing_recomputes_in_the_update(oracle_results):
     micro_batches = 8 // 2                                  # 8 rows, ppo_micro_batch_size_per_gpu=2
     assert oracle_results["micro4"]["update_layer_calls"] == 8 // 4
     assert oracle_results["checkpointing"]["update_layer_calls"] == 2 * micro_batches
+
+
+def test_reshard_after_forward_false_gathers_each_layer_once_per_mini_batch(oracle_results, tiny_model_dir):
+    """verl's fsdp_config.reshard_after_forward: true gathers a layer's parameters for its forward and again for
+    its backward, in every micro-batch; false keeps them gathered until the mini-batch's last backward: one
+    all-gather per FSDP module (each decoder layer, and the root) and mini-batch. Results do not change
+    (test_one_update_is_independent_of_batching)."""
+    layers = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.num_hidden_layers
+    micro_batches = 8 // 2 // 2                       # 8 rows over 2 ranks, 2 per micro-batch, one mini-batch
+    assert oracle_results["world2_checkpointing"]["update_all_gathers"] >= 2 * layers * micro_batches
+    assert oracle_results["world2_gathered"]["update_all_gathers"] == layers + 1
+
+
+def test_parameters_kept_gathered_are_gathered_again_after_each_optimizer_step(oracle_results):
+    """Two mini-batches (two optimizer steps), 2 micro-batches each: with reshard_after_forward=false the second
+    mini-batch must run on the weights the first step wrote, not on the copies gathered before it."""
+    regathered, kept = oracle_results["world2_two_steps"], oracle_results["world2_two_steps_gathered"]
+    assert kept["update_all_gathers"] < regathered["update_all_gathers"]
+    for name, weight in regathered["weights"].items():
+        assert torch.allclose(kept["weights"][name], weight, atol=1e-6), name
+        assert torch.allclose(kept["grads"][name], regathered["grads"][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_a_log_prob_pass_leaves_no_parameter_gathered(oracle_results):
+    """A no-grad pass has no backward to free what its forwards gathered (FSDP2 keeps the root's, and with
+    reshard_after_forward=false every layer's); models.frozen_pass frees them at its end, so a frozen reference
+    model does not hold its embeddings and LM head, unsharded, through generation."""
+    for name, result in oracle_results.items():
+        assert result["gathered_after_log_prob"] == [], name
 
 
 def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir):
