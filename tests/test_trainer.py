@@ -124,6 +124,27 @@ def test_skipping_the_old_log_prob_pass_changes_no_metric(demo_dir, tmp_path):
         assert 0 < skip["perf/mfu/actor"] < 1 and 0 < recompute["perf/mfu/actor"] < 1
 
 
+def test_packed_rows_holding_each_prompt_once_train_as_the_padded_run_does(demo_dir, tmp_path):
+    """The demo config (two mini-batches a step: old-log-prob, reference and update passes) on 2 ranks, packed
+    (use_remove_padding, the default: on CPU each group's prompt is packed once for its responses) vs padded, with
+    balance_batch off so both runs put the same rows in each micro-batch: the same responses are sampled and every
+    metric agrees to fp32 rounding over 3 steps, so each step's update moved the weights alike."""
+    rows = {}
+    for mode in ("true", "false"):
+        torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                 f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+                 f"af_output_dir={tmp_path / mode}", "trainer.total_training_steps=3", "trainer.val_before_train=false",
+                 "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.balance_batch=false",
+                 "actor_rollout_ref.rollout.name=hf", f"actor_rollout_ref.model.use_remove_padding={mode}")
+        rows[mode] = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows["true"]) == len(rows["false"]) == 3
+    for packed, padded in zip(rows["true"], rows["false"]):
+        compared = sorted(k for k in padded if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/")))
+        assert {"actor/entropy", "actor/pg_loss", "actor/ppo_kl", "critic/score/mean"} <= set(compared)
+        for key in compared:
+            assert packed[key] == pytest.approx(padded[key], rel=1e-3, abs=1e-6), key
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3"], "3*3 = 9 responses must be divisible by the world size 2"),
     (["actor_rollout_ref.actor.kl_loss_type=k4"], "'actor_rollout_ref.actor.kl_loss_type' is 'k4'"),
