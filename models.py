@@ -86,10 +86,10 @@ def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
               else MixedPrecisionPolicy())
-    keep_gathered = None if reshard_after_forward else False          # None: torch's default, described above
+    reshard = None if reshard_after_forward else False          # None: torch's default, described above
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=keep_gathered)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=keep_gathered)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 

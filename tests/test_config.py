@@ -271,7 +271,7 @@ def test_cli_reports_config_error_before_loading_models(paths):
 
 def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert settings_without_effect(load_config(write(paths, minimal(paths)), world_size=2)) == []
-    read = "actor_rollout_ref.ref.fsdp_config.reshard_after_forward"       # read, inside a subtree that is not
+    read = "actor_rollout_ref.ref.fsdp_config.reshard_after_forward"   # minirl reads it; the rest of fsdp_config not
     cfg = load_config(write(paths, minimal(paths)), ["data.dataloader_num_workers=4", f"{read}=false",
                                                      "actor_rollout_ref.actor.fsdp_config.forward_prefetch=true"],
                       world_size=2)
