@@ -64,7 +64,13 @@ def _trainer_ranks(cfg):
 
 class Bridge:
     """The group of trainer rank 0 (bridge rank 0) and the rollout ranks (1..R), made from torchrun's store
-    directly (the two sides have different default groups). Gloo on CPU and NPU, NCCL on CUDA."""
+    directly (the two sides have different default groups). Gloo on CPU and NPU, NCCL on CUDA.
+
+    Ending it takes care (`close`): gloo's worker thread lets go of a finished broadcast's tensor a moment after
+    `wait()` returns, and if that was the last reference to a tensor made in Python, it needs the GIL; should the
+    interpreter be shutting down by then, the thread is killed inside C++ and the process aborts ("terminate
+    called without an active exception"). So the group has one worker thread (it frees each broadcast before it
+    takes the next), the bridge holds the last broadcast's tensor, and `close` joins the thread before letting go."""
 
     def __init__(self, store, rank, size, backend, device):
         store = dist.PrefixStore("minirl/bridge", store)
@@ -73,8 +79,14 @@ class Bridge:
             options._timeout = failures.COLLECTIVE_TIMEOUT
             self.group, self.device = dist.ProcessGroupNCCL(store, rank, size, options), device
         else:
-            self.group, self.device = dist.ProcessGroupGloo(store, rank, size, failures.COLLECTIVE_TIMEOUT), "cpu"
+            options = dist.ProcessGroupGloo._Options()
+            interfaces = os.environ.get("GLOO_SOCKET_IFNAME")     # torch's own rule for its gloo groups
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=name) for name in interfaces.split(",")
+                                ] if interfaces else [dist.ProcessGroupGloo.create_default_device()]
+            options._threads, options._timeout = 1, failures.COLLECTIVE_TIMEOUT
+            self.group, self.device = dist.ProcessGroupGloo(store, rank, size, options), "cpu"
         self.rank = rank
+        self.last_tensor = None            # the last broadcast's tensor: held until the group is gone (close)
 
     def broadcast(self, tensor, src):
         """In place on every member; returns the tensor (on the bridge's device)."""
@@ -82,7 +94,15 @@ class Bridge:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.group.broadcast([tensor], opts).wait()
+        self.last_tensor = tensor
         return tensor
+
+    def close(self):
+        """After the last message, on every member: shut the group down and free it (gloo joins its worker
+        thread here), then the last tensor."""
+        self.group.shutdown()
+        self.group = None
+        self.last_tensor = None
 
     def broadcast_object(self, obj, src):
         """`obj` from bridge rank `src` to every member (pickled; its length first)."""
@@ -210,6 +230,7 @@ class RolloutServer:
             self.bridge.broadcast_object(reply, src=1)
 
     def close(self):
+        self.bridge.close()                              # the trainer's stop message was its last use
         dist.barrier()
         self.rollout.shutdown()
         if dist.is_initialized():
@@ -316,3 +337,4 @@ class Pipeline:
         self.settle()
         if self.bridge is not None:
             self.bridge.broadcast_object(None, src=0)
+            self.bridge.close()
