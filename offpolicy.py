@@ -70,7 +70,7 @@ class Bridge:
     `wait()` returns, and if that was the last reference to a tensor made in Python, it needs the GIL; should the
     interpreter be shutting down by then, the thread is killed inside C++ and the process aborts ("terminate
     called without an active exception"). So the group has one worker thread (it frees each broadcast before it
-    takes the next), the bridge holds the last broadcast's tensor, and `close` joins the thread before letting go."""
+    takes the next), and `close` ends with a broadcast whose tensor it holds until that thread is joined."""
 
     def __init__(self, store, rank, size, backend, device):
         store = dist.PrefixStore("minirl/bridge", store)
@@ -86,7 +86,6 @@ class Bridge:
             options._threads, options._timeout = 1, failures.COLLECTIVE_TIMEOUT
             self.group, self.device = dist.ProcessGroupGloo(store, rank, size, options), "cpu"
         self.rank = rank
-        self.last_tensor = None            # the last broadcast's tensor: held until the group is gone (close)
 
     def broadcast(self, tensor, src):
         """In place on every member; returns the tensor (on the bridge's device)."""
@@ -94,15 +93,16 @@ class Bridge:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self.group.broadcast([tensor], opts).wait()
-        self.last_tensor = tensor
         return tensor
 
     def close(self):
-        """After the last message, on every member: shut the group down and free it (gloo joins its worker
-        thread here), then the last tensor."""
+        """After the last message, on every member: one more broadcast, so that the worker has freed every
+        earlier one; then the group is shut down and freed (gloo joins its worker here) while this broadcast's
+        tensor is still held, and only then is that tensor freed."""
+        last = self.broadcast(torch.zeros(1), src=0)
         self.group.shutdown()
         self.group = None
-        self.last_tensor = None
+        del last
 
     def broadcast_object(self, obj, src):
         """`obj` from bridge rank `src` to every member (pickled; its length first)."""
@@ -333,7 +333,7 @@ class Pipeline:
             io.BytesIO(base64.b64decode(state["ready"])), weights_only=False)
 
     def shutdown(self):
-        """Tell the rollout ranks to stop (after the trainer's last collective)."""
+        """Tell the rollout ranks to stop (after the trainer's last collective) and close the bridge."""
         self.settle()
         if self.bridge is not None:
             self.bridge.broadcast_object(None, src=0)
