@@ -333,7 +333,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of each run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds before a run is killed")
-    parser.add_argument("--work", default=str(ROOT / ".tmp" / "vs_trl"), help="model, prompts and run folders")
+    parser.add_argument("--work", help="model, prompts and run folders, emptied first (default: .tmp/vs_trl-PROMPTS, "
+                        "so each prompt set keeps its last results.json)")
     parser.add_argument("--tables", metavar="RESULTS_JSON", help="only print the tables of a saved results.json")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -356,7 +357,7 @@ def main():
         if args.micro is not None and (args.micro < 1 or (responses // procs) % args.micro):
             parser.error(f"--micro {args.micro} must divide the {responses // procs} responses each of {procs} "
                          f"process(es) trains on ({w['prompts']} prompts x n={w['n']}); try a divisor such as 32")
-    work = Path(args.work)
+    work = Path(args.work) if args.work else ROOT / ".tmp" / f"vs_trl-{args.prompts}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     build_assets(work, args.prompts)
