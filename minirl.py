@@ -62,7 +62,7 @@ from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
-                     seed_everything)
+                     seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from to_verl import to_verl
 from tools import load_tools
@@ -110,9 +110,8 @@ class Trainer:
         self.plan = batch_plan(cfg, self.world_size + offpolicy.rollout_ranks(cfg))
         self.dp = self.plan["dp"]
         seed_everything(cfg.trainer.seed)
-        if device_type == "cpu":        # share the cores between the ranks
-            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))   # on this node
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+        if device_type == "cpu":        # share the cores between the ranks of this node
+            share_cpu(int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         resolve_paths(cfg)
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,

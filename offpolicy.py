@@ -41,6 +41,7 @@ import failures
 from batch import batch_size_of, repeat_interleave
 from models import full_state_dict_items
 from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
+from runtime import share_cpu
 
 BUCKET_BYTES = 256 * 2**20     # weights travel in flat buckets of at most this size (or one bigger tensor)
 
@@ -201,7 +202,7 @@ class RolloutServer:
         self.local_rank, self.world_size = dist.get_rank(), dist.get_world_size()      # in the rollout world
         device = _local_device(device_type)
         if device.type == "cpu":          # share the cores between all processes of the node
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+            share_cpu(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         else:
             getattr(torch, device.type).set_device(device)
         model = cfg.actor_rollout_ref.model
