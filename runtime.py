@@ -1,6 +1,7 @@
-"""Where a run happens: the device and process group, seeds, and the paths it reads and writes (hdfs:// copied
-into a local cache; output folders checked writable before any model loads). Used by minirl.py before the models
-load, and by the probes and benchmarks that run a piece of a step on their own."""
+"""Where a run happens: the device and process group, a CPU rank's threads and malloc settings, seeds, and the
+paths it reads and writes (hdfs:// copied into a local cache; output folders checked writable before any model
+loads). Used by minirl.py before the models load, and by the probes and benchmarks that run a piece of a step on
+their own."""
 from __future__ import annotations
 
 import ctypes
