@@ -81,7 +81,7 @@ FAULT_PROBE = textwrap.dedent("""
     if sys.argv[1] == "share_cpu":
         runtime.share_cpu(local_processes=2)
     def activations():        # a forward's worth of live tensors, then all freed
-        return [torch.ones(4 << 20) for _ in range(3)]         # 3 x 16 MiB
+        return [torch.ones(4 << 20) for _ in range(6)]         # 6 x 16 MiB
     activations()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):
@@ -92,19 +92,28 @@ FAULT_PROBE = textwrap.dedent("""
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc")
 def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in_again():
-    """Page faults of the same allocations in a fresh process, with glibc's defaults and after share_cpu: by
-    default each round of 16 MiB tensors is mapped (or the heap grown) afresh, ~12,000 faults a round."""
+    """Page faults of the same allocations in a fresh process, with glibc's defaults and after share_cpu. A round
+    frees 96 MiB, more than glibc's default trim threshold can grow to (2 x its largest mmap threshold, 32 MiB),
+    so with the defaults the rounds fault their pages in again, ~24,000 a round. Not in every process: in about
+    one fresh process in four (observed, cause not pinned down) the defaults fault only in the first round or two,
+    so the defaults get up to five processes to show it."""
     root = Path(__file__).resolve().parents[1]
+    rounds_pages = 10 * 6 * (16 << 20) // 4096
 
     def faults_and_threads(mode):
         out = subprocess.run([sys.executable, "-c", FAULT_PROBE, mode], cwd=root, capture_output=True, text=True,
                              check=True).stdout.split()
         return int(out[0]), int(out[1])
 
-    default_faults, _ = faults_and_threads("default")
+    default_faults = 0
+    for _ in range(5):
+        default_faults = max(default_faults, faults_and_threads("default")[0])
+        if default_faults > rounds_pages // 2:
+            break
     kept_faults, threads = faults_and_threads("share_cpu")
-    assert default_faults > 10 * 3 * 4096 // 2, "glibc's defaults no longer fault every round: revisit the test"
+    assert default_faults > rounds_pages // 2, "glibc's defaults no longer fault every round: revisit the test"
     assert kept_faults < default_faults / 5
+    assert kept_faults < rounds_pages / 10          # under one round's worth over all ten
     assert threads == max(1, (os.cpu_count() or 1) // 2)
 
 
