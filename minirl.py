@@ -556,7 +556,8 @@ def main(argv=None):
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:          # every rank reads the same config: say it once
             print(f"config error: {err}", file=sys.stderr)
-            failures.tell_torchrun(f"config error: {err}", time.time())
+        # but every rank tells torchrun: whichever exits first is its root cause, and rank 0 may not get that far
+        failures.tell_torchrun(f"config error: {err}", time.time())
         return 2
     return train(cfg)
 

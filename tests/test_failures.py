@@ -121,23 +121,29 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.parametrize("bad", ["unknown_key", "data_without_prompt_column"])
+@pytest.mark.parametrize("bad", ["unknown_key", "unknown_key_rank0_late", "data_without_prompt_column"])
 def test_torchruns_own_report_ends_with_the_error(demo_dir, tmp_path, bad):
     """torchrun closes a failed job with its own traceback and a 'Root Cause' block; that block (the last thing on
     screen) names minirl's one-line error, not a link to torch's docs (found by hand: a typo in a key ended in 40
-    lines whose last ones said nothing about it)."""
+    lines whose last ones said nothing about it). rank0_late: rank 0 starts 20 s after rank 1, so rank 1 fails
+    first and torchrun stops rank 0 before it reads the config (the order CI once hit by chance)."""
     import pyarrow.parquet as pq
+    env = launch_env()
+    if bad == "unknown_key_rank0_late":
+        (tmp_path / "sitecustomize.py").write_text(
+            "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(20)\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     data = demo_dir / "data" / "train.parquet"
     if bad == "data_without_prompt_column":
         data = tmp_path / "no_prompt.parquet"
         pq.write_table(pq.read_table(demo_dir / "data" / "train.parquet").drop(["prompt"]), data)
-    extra = ["actor_rollout_ref.actor.ppo_mini_bach_size=4"] if bad == "unknown_key" else []
+    extra = ["actor_rollout_ref.actor.ppo_mini_bach_size=4"] if bad.startswith("unknown_key") else []
     out = subprocess.run(torchrun_cmd(2, "minirl.py", "--config", ROOT / "config.yaml",
                                       f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={data}",
                                       "data.val_files=null", f"af_output_dir={tmp_path / 'out'}", *extra),
-                         cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=BOUND_S)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S)
     assert out.returncode != 0
     root_cause = out.stderr[out.stderr.rindex("Root Cause"):]
     expected = ("traceback : config error: unknown config key 'actor_rollout_ref.actor.ppo_mini_bach_size'"
-                if bad == "unknown_key" else f"traceback : error: {data}: column 'prompt' is missing")
+                if bad.startswith("unknown_key") else f"traceback : error: {data}: column 'prompt' is missing")
     assert expected in root_cause, out.stderr[-3000:]
