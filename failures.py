@@ -3,8 +3,9 @@
 minirl runs one process per device under torchrun. If one rank fails and waits for the others (a barrier, a
 clean shutdown), while they wait for it in a collective, the job hangs silently. So a failing rank never joins
 another collective: it prints the error (only the first rank to fail prints it in full; the store that torchrun
-already runs decides who was first), flushes, and leaves with os._exit. torchrun then stops the other ranks (and a
-rank blocked in a collective with the dead one gets an error from gloo/NCCL within the collective timeout).
+already runs decides who was first, and the others wait for its report to be written), flushes, and leaves with
+os._exit. torchrun then stops the other ranks (and a rank blocked in a collective with the dead one gets an error
+from gloo/NCCL within the collective timeout).
 
     failures.watch_parent()                                  # a rank whose torchrun is gone exits too
     dist.init_process_group(backend, timeout=failures.COLLECTIVE_TIMEOUT)
@@ -29,6 +30,8 @@ import torch.distributed as dist
 # nccl_timeout, 600 s. Set MINIRL_COLLECTIVE_TIMEOUT_S for phases that may keep one rank busier for longer.
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("MINIRL_COLLECTIVE_TIMEOUT_S", "600")))
 FAILURE_KEY = "minirl/failures"
+REPORTED_KEY = "minirl/failure_reported"
+REPORT_WAIT = timedelta(seconds=10)    # how long a rank that failed second waits for the first to tell torchrun
 EXIT_INTERRUPTED = 130
 # Errors a collective raises on the surviving ranks when a peer has died: not a new failure, a consequence.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
@@ -59,17 +62,44 @@ def watch_parent(poll_s=1.0):
     threading.Thread(target=watch, name="minirl-parent-watch", daemon=True).start()
 
 
+def _job_store():
+    """torchrun's key-value store, when this rank is one of several (None otherwise)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=5))
+    return store
+
+
 def _first_to_fail():
     """True for the first rank to report a failure in this job (an atomic counter in torchrun's store, not a
     collective: it works while the other ranks are busy or dead)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=5))
-        return store.add(FAILURE_KEY, 1) == 1
+        store = _job_store()
+        return store is None or store.add(FAILURE_KEY, 1) == 1
     except Exception:          # the store is gone with its host: say everything rather than nothing
         return True
+
+
+def _mark_reported():
+    try:
+        store = _job_store()
+        if store is not None:
+            store.set(REPORTED_KEY, "1")
+    except Exception:
+        pass                   # the ranks waiting for it give up after REPORT_WAIT
+
+
+def _wait_for_first_report():
+    """Block (at most REPORT_WAIT) until the first failing rank has written its report: torchrun stops every rank
+    as soon as one exits, so a second rank that left at once could end the first before its error file exists,
+    and torchrun's closing report would name nobody's error."""
+    try:
+        store = _job_store()
+        if store is not None:
+            store.wait([REPORTED_KEY], REPORT_WAIT)
+    except Exception:
+        pass                   # the first rank died before reporting, or the store is gone: nothing to wait for
 
 
 def caused_by_a_dead_peer(err):
@@ -106,10 +136,12 @@ def report(err, rank, expected=()):
         why = "the other ranks stopped" if caused_by_a_dead_peer(err) else f"{type(err).__name__}"
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
               file=sys.stderr, flush=True)
+        _wait_for_first_report()
         return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else 1
     line, code = _summary(err, rank, expected)
     print(line, file=sys.stderr, flush=True)
     tell_torchrun(line, failed_at)
+    _mark_reported()
     return code
 
 

@@ -147,3 +147,31 @@ def test_torchruns_own_report_ends_with_the_error(demo_dir, tmp_path, bad):
     expected = ("traceback : config error: unknown config key 'actor_rollout_ref.actor.ppo_mini_bach_size'"
                 if bad.startswith("unknown_key") else f"traceback : error: {data}: column 'prompt' is missing")
     assert expected in root_cause, out.stderr[-3000:]
+
+
+def test_a_rank_that_fails_second_lets_the_first_failure_reach_torchruns_report(tmp_path):
+    """torchrun stops every rank once one exits. Rank 0 fails first and takes 3 s to write its error file; rank 1
+    fails just after it and must not exit before that, or torchrun ends rank 0 mid-report and its Root Cause block
+    names nobody's error (it fails so with failures._wait_for_first_report made a no-op)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""
+import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import torch.distributed as dist
+import failures
+
+dist.init_process_group("gloo")
+rank, tell = dist.get_rank(), failures.tell_torchrun
+failures.tell_torchrun = lambda line, failed_at: (time.sleep(3), tell(line, failed_at))
+if rank == 0:
+    err = ValueError("row 7 of train.parquet has no prompt")
+else:
+    dist.distributed_c10d._get_default_store().wait([failures.FAILURE_KEY])     # rank 0 has claimed the failure
+    err = RuntimeError("Connection closed by peer")
+failures.exit_now(failures.report(err, rank, [(ValueError, "error", 2)]))
+""")
+    out = subprocess.run(torchrun_cmd(2, probe), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                         timeout=BOUND_S)
+    assert out.returncode != 0
+    root_cause = out.stderr[out.stderr.rindex("Root Cause"):]
+    assert "traceback : error: row 7 of train.parquet has no prompt" in root_cause, out.stderr[-3000:]
