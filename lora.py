@@ -12,7 +12,7 @@
 
 The reference policy is the same module with the adapter disabled (models.AdapterDisabled), so LoRA keeps one copy
 of the base weights. Left out: DoRA, rsLoRA, modules_to_save, LoRA on the critic, verl's layered_summon (the
-adapter is gathered one tensor at a time anyway).
+weights are gathered in buckets of rollout.update_weights_bucket_megabytes anyway).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_siz
 from batch_plan import batch_plan, format_plan, total_training_steps
 from config import ConfigError, load_config, planning_world_size, settings_without_effect
 from data import PromptLoader, RLHFDataset, collate
-from models import AdapterDisabled, Critic, Policy, RewardModel, full_state_dict_items
+from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
                      seed_everything, share_cpu)
@@ -484,7 +484,7 @@ def sync_rollout(actor, engine):
     """Give the engine the actor's current weights: all of them, or with LoRA the adapter only (plus the base
     weights once, when the engine started without them: load_format=dummy*). A collective."""
     if not actor.lora:
-        engine.sync_weights(full_state_dict_items(actor.model))
+        engine.sync_weights(actor.full_weights())
         return
     base = () if engine.base_loaded else actor.base_weights()
     engine.sync_weights(base, adapter=actor.adapter())

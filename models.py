@@ -109,16 +109,74 @@ def frozen_pass(model):
                 module.reshard()
 
 
-def full_state_dict_items(model, keep=None):
+def full_state_dict_items(model, keep=None, bucket_bytes=0):
     """Yield (name, full tensor) for every entry of the model's state dict (or those whose name `keep` accepts),
-    one tensor at a time. A collective: every rank must iterate all of it. Tied weights (lm_head = embed_tokens)
-    appear under both names, so an inference engine that keeps its own copy of the head gets it too."""
+    in the state dict's order. A collective: every rank must iterate all of it. Tied weights (lm_head =
+    embed_tokens) appear under both names, so an inference engine that keeps its own copy of the head gets it too.
+
+    bucket_bytes=0 gathers one tensor at a time (DTensor.full_tensor). Otherwise the FSDP shards of consecutive
+    tensors travel in one all-gather per bucket of at most bucket_bytes full bytes (verl's
+    rollout.update_weights_bucket_megabytes): the same tensors, far fewer collectives, at the price of one bucket
+    of gathered weights on the device at a time. Tensors not sharded on dim 0 over one mesh dimension are
+    gathered alone."""
+    bucket, size = [], 0
     for name, tensor in model.state_dict().items():
         if keep is not None and not keep(name):
             continue
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+        bytes_ = tensor.numel() * tensor.element_size()
+        if bucket and (size + bytes_ > bucket_bytes or not _same_shard_group(bucket[0][1], tensor)):
+            yield from _gather_bucket(bucket)
+            bucket, size = [], 0
+        if bucket_bytes and _row_sharded(tensor):
+            bucket.append((name, tensor))
+            size += bytes_
+        elif hasattr(tensor, "full_tensor"):
+            yield name, tensor.full_tensor().detach()
+        else:
+            yield name, tensor.detach()
+    yield from _gather_bucket(bucket)
+
+
+def _row_sharded(tensor):
+    """A DTensor split by rows (FSDP's Shard(0)) over a one-dimensional mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() > 0
+            and tuple(tensor.placements) == (Shard(0),))
+
+
+def _same_shard_group(first, tensor):
+    return _row_sharded(tensor) and tensor.device_mesh == first.device_mesh
+
+
+def _gather_bucket(bucket):
+    """All-gather the row shards of `bucket` [(name, DTensor)] in one collective; yield (name, full tensor).
+    Each rank holds rows [r*c, (r+1)*c) of a tensor with c = ceil(rows / ranks) (torch.chunk's split; the last
+    ranks may hold fewer or none), so every shard is padded to c rows, the shards are sent as one flat byte
+    buffer, and each tensor is cut from every rank's part and trimmed to its rows."""
+    if not bucket:
+        return
+    mesh = bucket[0][1].device_mesh
+    ranks, me = mesh.size(), mesh.get_local_rank()
+    parts, layout = [], []                 # layout: (name, dtype, full shape, bytes per rank)
+    for name, tensor in bucket:
+        shape = tuple(tensor.shape)
+        chunk_rows = -(-shape[0] // ranks)
+        local = tensor.to_local().detach()
+        expected = max(0, min(shape[0] - me * chunk_rows, chunk_rows))
+        assert local.shape[0] == expected, f"{name}: shard of {local.shape[0]} rows, expected {expected}"
+        padded = local.new_zeros((chunk_rows, *shape[1:]))
+        padded[:expected] = local
+        parts.append(padded.reshape(-1).view(torch.uint8))
+        layout.append((name, tensor.dtype, shape, parts[-1].numel()))
+    sent = torch.cat(parts)                                                    # [bytes per rank]
+    received = sent.new_empty(ranks * sent.numel())                            # [ranks * bytes per rank]
+    dist.all_gather_into_tensor(received, sent, group=mesh.get_group())
+    received = received.view(ranks, sent.numel())
+    offset = 0
+    for name, dtype, shape, nbytes in layout:
+        rows = received[:, offset:offset + nbytes].contiguous().view(dtype)   # [ranks, c * rest]
+        yield name, rows.view(-1, *shape[1:])[:shape[0]]
+        offset += nbytes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,14 +395,20 @@ class Policy(Worker):
                               calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad,
                               sp_group=self.sp_group)
 
+    def full_weights(self, keep=None):
+        """(name, full tensor) for the rollout engine, gathered in buckets of
+        rollout.update_weights_bucket_megabytes (full_state_dict_items). A collective."""
+        bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
+        return full_state_dict_items(self.model, keep, bucket_bytes)
+
     def adapter(self):
         """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
-        return lora.adapter_from_full_state(self.model, dict(full_state_dict_items(self.model, lora.is_adapter_name)))
+        return lora.adapter_from_full_state(self.model, dict(self.full_weights(lora.is_adapter_name)))
 
     def base_weights(self):
         """(Hugging Face name, full tensor) of the frozen base model under the LoRA wrapper: adapter tensors
         dropped, names as in model.path. A collective."""
-        for name, tensor in full_state_dict_items(self.model, keep=lambda n: not lora.is_adapter_name(n)):
+        for name, tensor in self.full_weights(keep=lambda n: not lora.is_adapter_name(n)):
             yield lora.base_weight_name(name), tensor
 
     def compute_log_prob(self, batch, micro_size, dynamic, max_tokens, temperature, calc_entropy=False):

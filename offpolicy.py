@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 import failures
 from batch import batch_size_of, repeat_interleave
-from models import full_state_dict_items
 from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
 from runtime import share_cpu
 
@@ -268,7 +267,7 @@ class Pipeline:
                    "seeds": [self.seed_of(step, g, purpose) for g in range(self.groups)]}
         if self.bridge is not None:
             self.bridge.broadcast_object(request, src=0)
-        send_weights(self.bridge, full_state_dict_items(self.trainer.actor.model))
+        send_weights(self.bridge, self.trainer.actor.full_weights())
 
     def _receive(self, batch, max_tokens):
         """The answer to the last request, on every trainer rank, as a full rollout batch."""

@@ -259,7 +259,7 @@ def test_print_config_names_the_keys_without_effect(paths):
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert ("warning: config key 'actor_rollout_ref.rollout.layered_summon'=True has no effect in minirl: weights "
-            "are gathered one tensor at a time") in out.stderr
+            "are gathered in buckets of update_weights_bucket_megabytes") in out.stderr
 
 
 def test_cli_reports_config_error_before_loading_models(paths):

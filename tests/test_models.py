@@ -378,3 +378,22 @@ def test_ignore_eos_generates_max_tokens(demo_dir):
     runs_on, _ = engine.generate([prompt] * 2, Sampling(max_tokens=12, do_sample=False, ignore_eos=True), seed=0)
     assert all(len(tokens) < 12 and tokens[-1] in engine.eos_ids for tokens in stops)
     assert all(len(tokens) == 12 for tokens in runs_on)
+
+
+def test_bucketed_weight_gather_equals_the_weights_before_sharding(tmp_path):
+    """full_state_dict_items with bucket_bytes (the rollout sync's path: rollout.update_weights_bucket_megabytes)
+    on 3 ranks, where FSDP2 splits rows unevenly (7 rows: 3+3+1; 2 rows: 1+1+0; 1 row: 1+0+0), with a bf16 unit
+    and an unsharded buffer: for every bucket size the same names in the state dict's order and the same tensors
+    as the model held before sharding, and as one all-gather per tensor gives."""
+    from launch import torchrun
+    torchrun(3, "tests/gather_probe.py", tmp_path / "out.pt", timeout=300)
+    out = torch.load(tmp_path / "out.pt")
+    names = list(out["unsharded"])
+    assert list(out["full"]) == names
+    for size, items in out["bucketed"].items():
+        assert [name for name, _ in items] == names, size
+        for name, tensor in items:
+            expected = out["unsharded"][name]
+            assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), (size, name)
+            assert torch.equal(tensor, out["full"][name]), (size, name)
+    assert [name for name, _ in out["kept"]] == [name for name in names if name != "first.bias"]

@@ -22,7 +22,6 @@ from config import load_config  # noqa: E402
 from models import Policy  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
 from forward import token_logprobs  # noqa: E402
-from models import full_state_dict_items  # noqa: E402
 from rollout import Sampling, build_rollout, pad_logprobs, responses_to_batch  # noqa: E402
 
 TEMPERATURE, RESPONSE_LEN = 0.7, 8
@@ -57,7 +56,7 @@ def prompt_batch(prompt_ids, pad_id):
 
 def rollout(engine, actor, disk_model, prompts, seed, pad_id):
     """Sync, generate, and score the generated tokens under vLLM, the actor and the model on disk (all [b, R])."""
-    engine.sync_weights(full_state_dict_items(actor.model))
+    engine.sync_weights(actor.full_weights())
     tokens, logprobs = engine.generate(prompts, Sampling(max_tokens=RESPONSE_LEN, temperature=TEMPERATURE), seed)
     batch = responses_to_batch(prompt_batch(prompts, pad_id), tokens, RESPONSE_LEN, pad_id, engine.eos_ids)
     actor_logp, _ = actor.compute_log_prob(batch, 8, False, 4096, TEMPERATURE)

@@ -39,7 +39,7 @@ def rollout(engine, actor, disk_model, batch, seed, pad_id, skip_vision=False):
         engine.sync_weights((), adapter=lora.Adapter({name: tensor for name, tensor in adapter.state.items()
                                                       if ".visual." not in name}, adapter.config))
     else:
-        engine.sync_weights((name, tensor) for name, tensor in full_state_dict_items(actor.model)
+        engine.sync_weights((name, tensor) for name, tensor in actor.full_weights()
                             if ".visual." not in name)
     rows = list(range(len(batch["raw_prompt_ids"])))
     tokens, logprobs = engine.generate(batch["raw_prompt_ids"], Sampling(max_tokens=RESPONSE_LEN,
