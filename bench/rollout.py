@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 from config import load_config  # noqa: E402
 from models import Policy  # noqa: E402
 from runtime import init_distributed, seed_everything  # noqa: E402
-from models import full_state_dict_items  # noqa: E402
 from rollout import HFRollout, Sampling, VLLMRollout  # noqa: E402
 
 
@@ -47,7 +46,7 @@ def generated_tokens(responses, eos_ids):
 def timed_repeat(engine, actor, prompts, sampling, seed):
     """(sync seconds, generation seconds, generated tokens) of one sync + generate."""
     start = time.perf_counter()
-    engine.sync_weights(full_state_dict_items(actor.model))
+    engine.sync_weights(actor.full_weights())
     synced = time.perf_counter()
     responses, _ = engine.generate(prompts, sampling, seed)
     return synced - start, time.perf_counter() - synced, generated_tokens(responses, engine.eos_ids)
