@@ -12,9 +12,7 @@ Usage: .venv/bin/python bench/ulysses.py [--demo demo] [--tokens 4096] [--repeat
 (it starts itself under torchrun with 2 processes; the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import ulysses  # noqa: E402
 from forward import token_logprobs  # noqa: E402
+from timing import start_under_torchrun  # noqa: E402
 
 
 def long_row(tokens, vocab, seed):
@@ -124,7 +123,5 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:          # start ourselves under torchrun
-        sys.exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                  "2", __file__, *sys.argv[1:]], env=dict(os.environ, HF_HUB_OFFLINE="1")))
+    start_under_torchrun(2)
     main(args)

@@ -10,9 +10,7 @@ Usage: .venv/bin/python bench/weight_sync.py [--model demo/model] [--repeats 20]
 (it starts itself under torchrun with 2 processes; the demo assets must exist: .venv/bin/python data.py demo --out demo)
 """
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from models import full_state_dict_items, shard_fsdp2  # noqa: E402
-from timing import seconds_per_call  # noqa: E402
+from timing import seconds_per_call, start_under_torchrun  # noqa: E402
 
 
 def gather_all(model, bucket_bytes):
@@ -61,7 +59,5 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--bucket-mb", type=int, default=512)
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:          # start ourselves under torchrun
-        sys.exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                  "2", __file__, *sys.argv[1:]], env=dict(os.environ, HF_HUB_OFFLINE="1")))
+    start_under_torchrun(2)
     main(args)
