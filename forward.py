@@ -84,28 +84,34 @@ def _pack_shared(input_ids, attention_mask, position_ids, response_len):
     copy of its prompt."""
     b, length = attention_mask.shape
     prompt_len = length - response_len
-    valid = attention_mask.bool()
-    to_output = torch.zeros(b * length, dtype=torch.long, device=input_ids.device)
-    pieces, prefixes, bounds = [], [], [0]
-    for rows in prompt_groups(input_ids, attention_mask, prompt_len):
-        prompt = rows[0] * length + valid[rows[0], :prompt_len].nonzero(as_tuple=True)[0]   # [p] the one copy
-        shared = (bounds[-1], prompt.numel())
-        for row in rows:
-            response = row * length + prompt_len + valid[row, prompt_len:].nonzero(as_tuple=True)[0]   # [r]
-            first = row == rows[0]
-            segment = torch.cat([prompt, response]) if first else response
-            to_output[segment] = bounds[-1] + torch.arange(segment.numel(), device=segment.device)
-            if not first:
-                to_output[row * length + valid[row, :prompt_len].nonzero(as_tuple=True)[0]] = to_output[prompt]
-            if segment.numel():
-                pieces.append(segment)
-                prefixes.append((0, 0) if first else shared)
-                bounds.append(bounds[-1] + segment.numel())
-    indices = torch.cat(pieces)                                            # [nnz]
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
-    max_length = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-    varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_length,
-              "max_length_k": max_length, "shared_prefixes": prefixes}
+    valid = attention_mask.bool()                                                    # [b, L]
+    device = input_ids.device
+    groups = prompt_groups(input_ids, attention_mask, prompt_len)
+    order = torch.tensor([row for rows in groups for row in rows], device=device)   # [b] a group's rows together
+    leader = torch.empty(b, dtype=torch.long, device=device)                         # [b] the first row of its group
+    leader[order] = torch.tensor([rows[0] for rows in groups for _ in rows], device=device)
+    first = leader == torch.arange(b, device=device)                                 # [b]
+    prompt_valid = valid[:, :prompt_len]                                             # [b, P]
+    held = valid.clone()                                                             # [b, L] what each segment holds:
+    held[:, :prompt_len] &= first.unsqueeze(1)                                       # the prompt in its leader's only
+    held = held[order]                                                               # [b, L] in packing order
+    rows, cols = held.nonzero(as_tuple=True)                                         # [nnz] segment by segment
+    indices = order[rows] * length + cols                                            # [nnz] flat positions in [b*L]
+    to_output = torch.zeros(b * length, dtype=torch.long, device=device)
+    to_output[indices] = torch.arange(indices.numel(), device=device)
+    f_rows, f_cols = (prompt_valid & ~first.unsqueeze(1)).nonzero(as_tuple=True)    # other rows' prompts read
+    to_output[f_rows * length + f_cols] = to_output[leader[f_rows] * length + f_cols]   # the leader's copy
+    sizes = held.sum(1)                                                              # [b] segment sizes, packing order
+    starts = torch.empty_like(sizes)
+    starts[order] = sizes.cumsum(0) - sizes                                          # [b] each row's segment start
+    prefix_start = torch.where(first, 0, starts[leader])[order]                      # [b] packing order
+    prefix_len = torch.where(first, 0, prompt_valid.sum(1)[leader])[order]
+    nonempty = sizes > 0
+    sizes = sizes[nonempty]
+    cu_seqlens = torch.nn.functional.pad(sizes.cumsum(0), (1, 0)).to(torch.int32)
+    prefixes = list(zip(prefix_start[nonempty].tolist(), prefix_len[nonempty].tolist()))
+    varlen = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": int(sizes.max()),
+              "max_length_k": int(sizes.max()), "shared_prefixes": prefixes}
     return (input_ids.reshape(-1)[indices].unsqueeze(0), position_ids.reshape(-1)[indices].unsqueeze(0), varlen,
             to_output)
 
