@@ -13,7 +13,11 @@
    152k vocabulary: logits over every position (before) vs the response positions in chunks (models.py). Each in
    a fresh process; the peak is the rise of the resident set (ru_maxrss) over what it was before the pass.
 5. FLOP/s: the cores' fp32 matmul peak (2048^3, measured here) against the achieved FLOP/s of the packed actor
-   forward+backward of part 2 (flops.training_flops).
+   forward+backward of part 2 (flops.training_flops). Then the floor the matmuls set: on a micro-batch shaped like
+   bench/vs_trl.py's addition workload (8 prompts of 30 tokens x 4 responses of 64, prompts packed once), the
+   actor's forward+backward with the recompute of gradient checkpointing (on in config.yaml) and the no-grad
+   reference pass against the model's matmuls alone at the same shapes (matmul_floor_seconds): what is left is attention,
+   norms, rotary, activations, the softmax of the head and bookkeeping.
 6. GRPO groups (n responses to each prompt, adjacent as the trainer's micro-batches hold them): the packed passes
    with each prompt once in the row (forward._pack_shared) vs once per response, on GSM8K-sized prompts
    (78..286 tokens) and on the demo's short ones (about 30), responses 16..64 tokens.
@@ -98,9 +102,9 @@ def update_pass(model, batch, remove_padding):
     (logp * batch["response_mask"]).sum().backward()
 
 
-def logprob_pass(model, batch, remove_padding):
+def logprob_pass(model, batch, remove_padding, calc_entropy=True):
     with torch.no_grad():
-        token_logprobs(model, batch, use_remove_padding=remove_padding, calc_entropy=True)
+        token_logprobs(model, batch, use_remove_padding=remove_padding, calc_entropy=calc_entropy)
 
 
 def load(model_dir, attn):
@@ -246,6 +250,53 @@ def flops_table(model_dir, batch, seconds):
             f"{achieved / 1e9:.1f} GFLOP/s, {achieved / peak:.1%} of the matmul peak")
 
 
+def matmul_floor_seconds(config, tokens, head_tokens, repeats, backward=True, recompute=False):
+    """Seconds of a pass's matmuls alone, at the shapes of `config`'s linear layers over `tokens` packed tokens of
+    which `head_tokens` reach the LM head, on random inputs: each linear's forward and, with backward, its input-
+    and weight-gradient products; recompute (gradient checkpointing) runs the layers' forwards twice."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    layer = [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
+             (heads * head_dim, hidden), (hidden, inner), (hidden, inner), (inner, hidden)]   # (in, out) each
+
+    def forward_backward(rows, shapes):
+        x = [torch.randn(rows, fan_in) for fan_in, _ in shapes]                 # [rows, in]
+        w = [torch.randn(fan_out, fan_in) for fan_in, fan_out in shapes]        # [out, in]
+        g = [torch.randn(rows, fan_out) for _, fan_out in shapes]               # [rows, out]
+        fwd = statistics.median(seconds_per_call(lambda: [x_ @ w_.t() for x_, w_ in zip(x, w)], repeats, 1))
+        bwd = statistics.median(seconds_per_call(lambda: [(g_ @ w_, g_.t() @ x_) for x_, w_, g_ in zip(x, w, g)],
+                                                 repeats, 1))
+        return fwd, bwd
+
+    layer_fwd, layer_bwd = forward_backward(tokens, layer)
+    head_fwd, head_bwd = forward_backward(head_tokens, [(hidden, config.vocab_size)])
+    if not backward:
+        return config.num_hidden_layers * layer_fwd + head_fwd
+    return config.num_hidden_layers * ((2 if recompute else 1) * layer_fwd + layer_bwd) + head_fwd + head_bwd
+
+
+def floor_table(model_dir, repeats):
+    model = load(model_dir, attention.VARLEN_CPU)
+    batch = grouped_batch(8, 4, model.config.vocab_size, (30, 30), (64, 64))
+    tokens = 8 * 30 + int(batch["response_mask"].sum())                     # prompts once
+    head_tokens = int(batch["response_mask"].sum())
+    lines = ["| pass (addition-shaped micro-batch) | measured s | matmuls alone s | measured / matmuls |",
+             "|---|---|---|---|"]
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    update = statistics.median(seconds_per_call(lambda: update_pass(model, batch, True), repeats, 1))
+    floor = matmul_floor_seconds(model.config, tokens, head_tokens, repeats, recompute=True)
+    lines.append(f"| actor forward+backward, gradient checkpointing | {update:.4f} | {floor:.4f} | x{update / floor:.2f} |")
+    model.gradient_checkpointing_disable()
+    model.eval()
+    reference = statistics.median(seconds_per_call(lambda: logprob_pass(model, batch, True, calc_entropy=False),
+                                                   repeats, 1))
+    floor = matmul_floor_seconds(model.config, tokens, head_tokens, repeats, backward=False)
+    lines.append(f"| reference log-prob pass (no grad) | {reference:.4f} | {floor:.4f} | x{reference / floor:.2f} |")
+    return "\n".join(lines)
+
+
 # -- 6. GRPO groups: each prompt once -----------------------------------------------------------------------------
 
 def grouped_batch(groups, n, vocab, prompt_lengths, response_lengths=(16, 64), seed=0):
@@ -338,6 +389,8 @@ def main():
     print("\n## 5. FLOP/s of the actor update\n")
     print(flops_table(model_dir, batches["uniform 16..384"],
                       results["uniform 16..384"]["actor forward+backward"]["packed, minirl_varlen"]))
+    print()
+    print(floor_table(model_dir, args.repeats))
     print(f"\n## 6. GRPO groups, each prompt once in the packed row vs once per response (median of {args.repeats})\n")
     print(shared_prompts_table(model_dir, args.rows, args.repeats))
 
