@@ -40,16 +40,22 @@ def device_name(device):
     return getattr(torch, device.type).get_device_name(device)
 
 
+def decoder_linear_shapes(config):
+    """(in, out) of each linear layer of one decoder block of a Hugging Face config: q, k, v, o, gate, up, down."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
+            (heads * head_dim, hidden), (hidden, inner), (hidden, inner), (inner, hidden)]
+
+
 def training_flops(config, sequence_lengths, response_tokens):
     """Matmul FLOPs of one forward+backward of a decoder-only LM (a Hugging Face config) over sequences of
     `sequence_lengths` tokens, of which `response_tokens` (in all) reach the LM head."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    attention_linear = hidden * head_dim * (2 * heads + 2 * kv_heads)          # q, o and k, v projections
-    mlp = 3 * hidden * config.intermediate_size                                 # gate, up, down
-    tokens = sum(sequence_lengths)
-    dense = 6 * (attention_linear + mlp) * layers * tokens
+    linear = sum(fan_in * fan_out for fan_in, fan_out in decoder_linear_shapes(config))   # parameters per block
+    dense = 6 * linear * layers * sum(sequence_lengths)
     attention = 6 * head_dim * heads * layers * sum(s * s for s in sequence_lengths)
     head = 6 * hidden * config.vocab_size * response_tokens
     return dense + attention + head

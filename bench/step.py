@@ -16,8 +16,8 @@
    forward+backward of part 2 (flops.training_flops). Then the floor the matmuls set: on a micro-batch shaped like
    bench/vs_trl.py's addition workload (8 prompts of 30 tokens x 4 responses of 64, prompts packed once), the
    actor's forward+backward with the recompute of gradient checkpointing (on in config.yaml) and the no-grad
-   reference pass against the model's matmuls alone at the same shapes (matmul_floor_seconds): what is left is attention,
-   norms, rotary, activations, the softmax of the head and bookkeeping.
+   reference pass against the model's matmuls alone at the same shapes (matmul_floor_seconds): what is left is
+   attention, norms, rotary, activations, the softmax of the head and bookkeeping.
 6. GRPO groups (n responses to each prompt, adjacent as the trainer's micro-batches hold them): the packed passes
    with each prompt once in the row (forward._pack_shared) vs once per response, on GSM8K-sized prompts
    (78..286 tokens) and on the demo's short ones (about 30), responses 16..64 tokens.
@@ -254,12 +254,6 @@ def matmul_floor_seconds(config, tokens, head_tokens, repeats, backward=True, re
     """Seconds of a pass's matmuls alone, at the shapes of `config`'s linear layers over `tokens` packed tokens of
     which `head_tokens` reach the LM head, on random inputs: each linear's forward and, with backward, its input-
     and weight-gradient products; recompute (gradient checkpointing) runs the layers' forwards twice."""
-    hidden, inner = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    layer = [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
-             (heads * head_dim, hidden), (hidden, inner), (hidden, inner), (inner, hidden)]   # (in, out) each
-
     def forward_backward(rows, shapes):
         x = [torch.randn(rows, fan_in) for fan_in, _ in shapes]                 # [rows, in]
         w = [torch.randn(fan_out, fan_in) for fan_in, fan_out in shapes]        # [out, in]
@@ -269,25 +263,27 @@ def matmul_floor_seconds(config, tokens, head_tokens, repeats, backward=True, re
                                                  repeats, 1))
         return fwd, bwd
 
-    layer_fwd, layer_bwd = forward_backward(tokens, layer)
-    head_fwd, head_bwd = forward_backward(head_tokens, [(hidden, config.vocab_size)])
+    layer_fwd, layer_bwd = forward_backward(tokens, flops.decoder_linear_shapes(config))
+    head_fwd, head_bwd = forward_backward(head_tokens, [(config.hidden_size, config.vocab_size)])
     if not backward:
         return config.num_hidden_layers * layer_fwd + head_fwd
     return config.num_hidden_layers * ((2 if recompute else 1) * layer_fwd + layer_bwd) + head_fwd + head_bwd
 
 
-def floor_table(model_dir, repeats):
+def floor_table(model_dir, repeats, groups=8, n=4, prompt_tokens=30, response_tokens=64):
+    """The addition-shaped micro-batch's update and reference passes against matmul_floor_seconds."""
     model = load(model_dir, attention.VARLEN_CPU)
-    batch = grouped_batch(8, 4, model.config.vocab_size, (30, 30), (64, 64))
-    tokens = 8 * 30 + int(batch["response_mask"].sum())                     # prompts once
+    batch = grouped_batch(groups, n, model.config.vocab_size, (prompt_tokens,) * 2, (response_tokens,) * 2)
     head_tokens = int(batch["response_mask"].sum())
+    tokens = groups * prompt_tokens + head_tokens                           # each prompt once
     lines = ["| pass (addition-shaped micro-batch) | measured s | matmuls alone s | measured / matmuls |",
              "|---|---|---|---|"]
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     update = statistics.median(seconds_per_call(lambda: update_pass(model, batch, True), repeats, 1))
     floor = matmul_floor_seconds(model.config, tokens, head_tokens, repeats, recompute=True)
-    lines.append(f"| actor forward+backward, gradient checkpointing | {update:.4f} | {floor:.4f} | x{update / floor:.2f} |")
+    lines.append(f"| actor forward+backward, gradient checkpointing | {update:.4f} | {floor:.4f} | "
+                 f"x{update / floor:.2f} |")
     model.gradient_checkpointing_disable()
     model.eval()
     reference = statistics.median(seconds_per_call(lambda: logprob_pass(model, batch, True, calc_entropy=False),
