@@ -59,5 +59,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--bucket-mb", type=int, default=512)
     args = parser.parse_args()
+    if args.bucket_mb < 1:
+        parser.error(f"--bucket-mb must be at least 1 (MiB, as rollout.update_weights_bucket_megabytes), got "
+                     f"{args.bucket_mb}")
     start_under_torchrun(2)
     main(args)
