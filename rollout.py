@@ -81,7 +81,6 @@ class HFRollout:
     def __init__(self, model_path, tokenizer, device, dtype=torch.float32, trust_remote_code=False, lora_cfg=None):
         """lora_cfg: actor_rollout_ref.model when LoRA is on: the copy gets the same (empty) adapters, which each
         sync fills, and generates with them active."""
-        from transformers import AutoConfig
         from transformers import AutoConfig, GenerationConfig
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.model = vision.causal_lm_class(config).from_pretrained(model_path, dtype=dtype,
