@@ -378,6 +378,9 @@ def test_ignore_eos_generates_max_tokens(demo_dir):
     runs_on, _ = engine.generate([prompt] * 2, Sampling(max_tokens=12, do_sample=False, ignore_eos=True), seed=0)
     assert all(len(tokens) < 12 and tokens[-1] in engine.eos_ids for tokens in stops)
     assert all(len(tokens) == 12 for tokens in runs_on)
+    # sampled too: the EOS ban must come before the engine's own draw (its last logits processor)
+    sampled, _ = engine.generate([prompt] * 64, Sampling(max_tokens=12, ignore_eos=True), seed=0)
+    assert all(len(tokens) == 12 and not set(tokens) & set(engine.eos_ids) for tokens in sampled)
 
 
 def test_bucketed_weight_gather_equals_the_weights_before_sharding(tmp_path):
