@@ -6,8 +6,9 @@ The workload (both sides): a tiny random-init Qwen2 built here (demo.py: hidden 
 tokens), scored by minirl's rule reward for their data source (rewards.default_compute_score: "#### N" for both),
 n=4 responses x up to 64 new tokens per step, sampling at temperature 1 (in HF-generate mode minirl's engine draws
 each token from one uniform number, rollout.InverseCDFSampler, and TRL's `generate` with torch.multinomial: the
-same distribution), KL loss k3 (low_var_kl) with coefficient 0.01 (TRL's beta), PPO clip 0.2, token-mean loss (TRL's "dapo"), one optimizer step per batch (on-policy),
-micro-batches of 32 responses (--micro), gradient checkpointing on (both sides' default), lr 1e-3 constant, seed 1.
+same distribution), KL loss k3 (low_var_kl) with coefficient 0.01 (TRL's beta), PPO clip 0.2, token-mean loss
+(TRL's "dapo"), one optimizer step per batch (on-policy), micro-batches of 32 responses (--micro), gradient
+checkpointing on (both sides' default), lr 1e-3 constant, seed 1.
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
 vLLM importance-sampling correction off, which minirl does not have). Each process gets cores / processes torch
