@@ -495,7 +495,7 @@ def sync_rollout(actor, engine):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
                                             "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")

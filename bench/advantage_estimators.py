@@ -68,7 +68,7 @@ def make_batch(rows, length, group_size, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small batch (256 x 128) for a fast smoke run")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats of each implementation")
     parser.add_argument("--threads", type=int, default=None,

@@ -127,7 +127,7 @@ def main():
         sys.path.append(str(ROOT / "bench"))          # for step.varied_batch, after the repo root
         child(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6])
         return
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()

@@ -86,7 +86,7 @@ def rollout_once(tokenizer, args, mode):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--calls", type=int, default=3, help="tool calls per conversation")
     parser.add_argument("--max-latency-ms", type=float, default=200.0)

@@ -41,7 +41,7 @@ def run(demo, ranks, steps, response_length, engine, split):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo", default="demo")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)

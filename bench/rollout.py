@@ -67,7 +67,7 @@ def measure(engines, actor, prompts, sampling, repeats, seed=1):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=1, help="responses per prompt (repeated, as the trainer does)")
     parser.add_argument("--max-tokens", type=int, default=16)

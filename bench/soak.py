@@ -124,7 +124,7 @@ def trace(samples, steps, points=10):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--demo", help="demo assets folder (model/, data/); built into a temp folder if absent")

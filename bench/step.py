@@ -348,7 +348,7 @@ def shared_prompts_table(model_dir, rows, repeats, n=4):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--repeats", type=int, default=5)

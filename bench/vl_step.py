@@ -74,7 +74,7 @@ def vision_share(demo, rows, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--demo", default=str(ROOT / "demo-vl"))
     parser.add_argument("--rows", type=int, default=16)

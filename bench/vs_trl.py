@@ -322,7 +322,7 @@ def load_results(path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", action="store_true", help="build bench/.trl-venv (TRL) and exit")
     parser.add_argument("--quick", action="store_true", help="8 prompts x 4 x 16 tokens: a smoke run")
     parser.add_argument("--prompts", default="add", choices=sorted(MAX_PROMPT_LENGTH),

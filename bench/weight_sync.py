@@ -54,7 +54,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "demo" / "model"))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--bucket-mb", type=int, default=512)

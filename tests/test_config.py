@@ -251,6 +251,16 @@ def test_print_config_cli(paths):
     assert "train_batch_size: 8" in out.stdout
 
 
+@pytest.mark.parametrize("script", ["minirl.py", "data.py"])
+def test_help_opens_with_the_whole_first_paragraph_of_the_docstring(script):
+    """Not its first line, which ends mid-sentence."""
+    out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    source = (ROOT / script).read_text()
+    first_paragraph = source[source.index('"""') + 3:].split("\n\n")[0]
+    assert " ".join(first_paragraph.split()) in " ".join(out.stdout.split())
+
+
 def test_print_config_names_the_keys_without_effect(paths):
     """--print-config is where a verl user checks a config before a run; it names verl's keys that change nothing
     here as the run would (found passing verl's LoRA line with layered_summon: the run warned, the check did not)."""
