@@ -30,7 +30,7 @@ import ulysses
 import vision
 from attention import VARLEN_CPU
 from batch import balanced_partitions
-from losses import entropy_from_logits, logprobs_from_logits
+from losses import logprobs_and_entropy
 
 
 def unwrapped(model):
@@ -198,11 +198,11 @@ def forward_kept(model, inputs, keep, head_fn=None):
     return result["head"] if head_fn is not None else out.logits[0]
 
 
-def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad=True):
+def logprob_head(model, labels, temperature, calc_entropy, kernel, entropy_grad=True):
     """head_fn for forward_kept: hidden [n, H] -> (log-probs [n], entropy [n] or None), fp32, the LM head and
     log-softmax run HEAD_CHUNK_ELEMENTS logits at a time so the [n, V] logits never exist at once (only the
-    chunks autograd keeps for backward). entropy_grad=False computes entropy without autograd (a metric)."""
-    logprobs_fn, entropy_fn = kernels
+    chunks autograd keeps for backward). kernel: losses.logprobs_and_entropy or a variant of it (compiled,
+    chunked entropy). entropy_grad=False computes entropy without autograd (a metric)."""
     head = model.get_output_embeddings()
     if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
         raise NotImplementedError(f"{type(model).__name__} post-processes its logits (soft-capping or scaling); "
@@ -212,33 +212,34 @@ def logprob_head(model, labels, temperature, calc_entropy, kernels, entropy_grad
         chunk = max(1, HEAD_CHUNK_ELEMENTS // head.weight.shape[0])
         logps, entropies = [], []
         for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-            logits = head(h).float().div_(temperature)                    # [c, V] (in place: mm keeps no output)
-            logps.append(logprobs_fn(logits, y))                          # [c]
-            if calc_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    entropies.append(entropy_fn(logits))                  # [c]
+            logits = head(h).float()                                      # [c, V]
+            if temperature != 1.0:   # x / 1 == x exactly: skipping it saves a [c, V] pass and one in backward
+                logits = logits.div_(temperature)                         # in place: mm keeps no output
+            logp, entropy = kernel(logits, y, calc_entropy, entropy_grad)  # [c], [c] or None
+            logps.append(logp)
+            entropies.append(entropy)
         return torch.cat(logps), (torch.cat(entropies) if calc_entropy else None)
 
     return run
 
 
-def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernels=None,
+def token_logprobs(model, batch, temperature=1.0, use_remove_padding=True, calc_entropy=False, kernel=None,
                    entropy_grad=True, sp_group=None):
     """Per-token log-probs of the response (and entropy) under `model`.
 
     batch: input_ids/attention_mask/position_ids [b, P+R], responses [b, R].
     Returns (log_probs [b, R], entropy [b, R] or None), fp32, zero where the response is padding. Only the
-    positions that predict a response token reach the LM head. `kernels`: (logprobs_fn, entropy_fn), e.g.
-    torch.compile'd. sp_group: Ulysses sequence parallel (ulysses.py); each rank runs the head on the kept
-    positions of its slice of the packed row, and the results are gathered over the group.
+    positions that predict a response token reach the LM head. `kernel`: logprob_head's (default
+    losses.logprobs_and_entropy). sp_group: Ulysses sequence parallel (ulysses.py); each rank runs the head on
+    the kept positions of its slice of the packed row, and the results are gathered over the group.
     """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     shape = (input_ids.shape, batch["responses"].shape[1])
     keep = response_predicting_positions(attention_mask, shape[1])        # [n] flat positions in [b*L]
     labels = input_ids.reshape(-1)[keep + 1]                              # [n] the response token each predicts
     inputs, kept, mine, gather = _kept_inputs(model, batch, keep, use_remove_padding, sp_group)
-    head_fn = logprob_head(model, labels[mine], temperature, calc_entropy,
-                           kernels or (logprobs_from_logits, entropy_from_logits), entropy_grad)
+    head_fn = logprob_head(model, labels[mine], temperature, calc_entropy, kernel or logprobs_and_entropy,
+                           entropy_grad)
     logp, entropy = forward_kept(model, inputs, kept, head_fn)
     return (_scatter_to_responses(gather(logp), keep, shape),
             _scatter_to_responses(gather(entropy), keep, shape) if entropy is not None else None)

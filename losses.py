@@ -74,28 +74,56 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     """log softmax(logits)[label] = logit[label] − logsumexp(logits), computed in fp32. [..., V], [...] -> [...] fp32.
     log_softmax subtracts the row max first, so large logits lose no precision (logit − logsumexp would)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
-    return log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return logprobs_and_entropy(logits, labels)[0]
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor:
     """H = −Σ p·log p per position, with log p = log_softmax(z) in fp32. [..., V] -> [...] fp32. log_softmax
-    subtracts the row max first, so large logits neither overflow nor cancel. The sum over V is a batched dot
-    product (einsum): on CPU about 3x faster than a softmax, a logsumexp and an elementwise product.
+    subtracts the row max first, so large logits neither overflow nor cancel.
 
     chunk_size bounds the fp32 temporaries to chunk_size rows × V (verl's chunked variant uses 2048); None
     processes all rows at once. Differentiable either way. Logits must be finite (−inf gives 0·−inf = NaN)."""
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"entropy_from_logits: chunk_size must be a positive int or None, got {chunk_size}")
+    _check_chunk_size(chunk_size)
     lead_shape = logits.shape[:-1]
     rows = logits.reshape(-1, logits.shape[-1])  # [N, V]
     step = max(1, rows.shape[0]) if chunk_size is None else int(chunk_size)
-    pieces = []
-    for start in range(0, rows.shape[0], step):
-        log_p = torch.log_softmax(rows[start:start + step].float(), dim=-1)  # [n, V]
-        pieces.append(-torch.einsum("nv,nv->n", log_p.exp(), log_p))  # [n]
+    pieces = [entropy_from_log_probs(torch.log_softmax(rows[start:start + step].float(), dim=-1))  # [n]
+              for start in range(0, rows.shape[0], step)]
     entropy = torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(lead_shape)
+
+
+def entropy_from_log_probs(log_p: Tensor, chunk_size: int | None = None) -> Tensor:
+    """H = −Σ exp(log p)·log p per position, from log-probabilities over the vocabulary. [..., V] -> [...].
+    The sum over V is a row-wise dot product (linalg.vecdot): on CPU about 4x faster than the same sum as an einsum,
+    which runs it as a batched matmul of [1, V] x [V, 1]. chunk_size: as in entropy_from_logits (the exp's
+    temporary is chunk_size rows × V)."""
+    _check_chunk_size(chunk_size)
+    rows = log_p.reshape(-1, log_p.shape[-1])  # [N, V]
+    step = max(1, rows.shape[0]) if chunk_size is None else int(chunk_size)
+    pieces = [-torch.linalg.vecdot(chunk.exp(), chunk) for chunk in rows.split(step)]  # [n] each
+    entropy = torch.cat(pieces) if pieces else rows.new_zeros(0)
+    return entropy.reshape(log_p.shape[:-1])
+
+
+def logprobs_and_entropy(logits: Tensor, labels: Tensor, with_entropy: bool = False, entropy_grad: bool = True,
+                         entropy_chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The log-prob of each label (logprobs_from_logits) and, with_entropy, the entropy of each position
+    (entropy_from_logits) from ONE log_softmax of the logits: [..., V], [...] -> ([...], [...] or None), fp32.
+    entropy_grad=False computes the entropy without autograd (a metric: no graph over the [..., V] temporaries).
+    Equal to the two functions above up to fp32 rounding; the log-prob pass of the trainer runs this, so the
+    [tokens, V] log_softmax is computed once instead of once for each."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)                              # [..., V]
+    logp = log_p.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)               # [...]
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, entropy_from_log_probs(log_p, entropy_chunk_size)            # [...], [...]
+
+
+def _check_chunk_size(chunk_size):
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"entropy_from_logits: chunk_size must be a positive int or None, got {chunk_size}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from batch import all_reduce_sum, batch_size_of, take
 from config import ConfigError
 from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, shared_prompt_groups,
                      shares_prompts, token_logprobs, token_values, unwrapped)
-from losses import entropy_from_logits, logprobs_from_logits
+from losses import logprobs_and_entropy
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and sharding
@@ -383,16 +383,15 @@ class Policy(Worker):
                          sp=arr[role].ulysses_sequence_parallel_size,
                          sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
         self.cfg = cfg
-        entropy = entropy_from_logits
+        self.kernel = logprobs_and_entropy
         if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
-            entropy = functools.partial(entropy_from_logits, chunk_size=ENTROPY_CHUNK_ROWS)
-        self.kernels = (logprobs_from_logits, entropy)
+            self.kernel = functools.partial(logprobs_and_entropy, entropy_chunk_size=ENTROPY_CHUNK_ROWS)
         if arr.actor.use_torch_compile:         # verl compiles the log-prob/entropy kernels, not the model
-            self.kernels = tuple(torch.compile(kernel) for kernel in self.kernels)
+            self.kernel = torch.compile(self.kernel)
 
     def forward(self, micro, temperature, calc_entropy=False, entropy_grad=True):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
-                              calc_entropy=calc_entropy, kernels=self.kernels, entropy_grad=entropy_grad,
+                              calc_entropy=calc_entropy, kernel=self.kernel, entropy_grad=entropy_grad,
                               sp_group=self.sp_group)
 
     def full_weights(self, keep=None):

@@ -84,6 +84,41 @@ def test_entropy_chunked_is_differentiable():
     ref = logits.detach().clone().requires_grad_(True)
     p = torch.softmax(ref, -1)
     (-(p * torch.log(p)).sum()).backward()
+
+@pytest.mark.parametrize("entropy_chunk_size", [None, 3])
+def test_logprobs_and_entropy_from_one_log_softmax_equal_a_float64_softmax(entropy_chunk_size):
+    """The trainer's head kernel: log-probs and entropy from one log_softmax, against p = exp(z) / Σ exp(z) in
+    float64, values and gradients (through both outputs, and through the log-probs alone when the entropy is a
+    metric)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 11, generator=g) * 3).requires_grad_(True)
+    labels = torch.randint(0, 11, (7,), generator=g)
+    weights = torch.randn(2, 7, generator=g)                       # a random upstream gradient for each output
+
+    def float64_reference():
+        z = logits.detach().double().requires_grad_(True)
+        p = z.exp() / z.exp().sum(-1, keepdim=True)                    # [7, 11]
+        return z, p.gather(-1, labels[:, None]).squeeze(-1).log(), -(p * p.log()).sum(-1)
+
+    ref, ref_logp, ref_entropy = float64_reference()
+    logp, entropy = L.logprobs_and_entropy(logits, labels, with_entropy=True, entropy_chunk_size=entropy_chunk_size)
+    close(logp, ref_logp)
+    close(entropy, ref_entropy)
+    ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    ((ref_logp * weights[0]).sum() + (ref_entropy * weights[1]).sum()).backward()
+    close(logits.grad, ref.grad)
+
+    logits.grad = None
+    ref, ref_logp, ref_entropy = float64_reference()
+    logp, entropy = L.logprobs_and_entropy(logits, labels, with_entropy=True, entropy_grad=False,
+                                           entropy_chunk_size=entropy_chunk_size)
+    assert not entropy.requires_grad
+    close(entropy, ref_entropy)
+    (logp * weights[0]).sum().backward()
+    (ref_logp * weights[0]).sum().backward()
+    close(logits.grad, ref.grad)
+    assert L.logprobs_and_entropy(logits, labels)[1] is None
+
     close(logits.grad, ref.grad)
 
 
