@@ -95,13 +95,18 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
 
 def entropy_from_log_probs(log_p: Tensor, chunk_size: int | None = None) -> Tensor:
     """H = −Σ exp(log p)·log p per position, from log-probabilities over the vocabulary. [..., V] -> [...].
-    The sum over V is a row-wise dot product (linalg.vecdot): on CPU about 4x faster than the same sum as an einsum,
-    which runs it as a batched matmul of [1, V] x [V, 1]. chunk_size: as in entropy_from_logits (the exp's
-    temporary is chunk_size rows × V)."""
+    The sum over V is a product and a row sum: on CPU about 4x faster than the same sum as an einsum, which runs
+    it as a batched matmul of [1, V] x [V, 1]. Without autograd the product is taken in place, so the exp's
+    [n, V] (n = chunk_size rows, as in entropy_from_logits) is the only temporary."""
     _check_chunk_size(chunk_size)
     rows = log_p.reshape(-1, log_p.shape[-1])  # [N, V]
     step = max(1, rows.shape[0]) if chunk_size is None else int(chunk_size)
-    pieces = [-torch.linalg.vecdot(chunk.exp(), chunk) for chunk in rows.split(step)]  # [n] each
+    pieces = []
+    for chunk in rows.split(step):
+        p = chunk.exp()                                                    # [n, V]
+        # autograd keeps exp's output for its backward, so there the product needs a tensor of its own
+        product = p * chunk if p.requires_grad else p.mul_(chunk)          # [n, V]
+        pieces.append(-product.sum(-1))                                    # [n]
     entropy = torch.cat(pieces) if pieces else rows.new_zeros(0)
     return entropy.reshape(log_p.shape[:-1])
 
