@@ -87,8 +87,7 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = None) -> Tensor
     lead_shape = logits.shape[:-1]
     rows = logits.reshape(-1, logits.shape[-1])  # [N, V]
     step = max(1, rows.shape[0]) if chunk_size is None else int(chunk_size)
-    pieces = [entropy_from_log_probs(torch.log_softmax(rows[start:start + step].float(), dim=-1))  # [n]
-              for start in range(0, rows.shape[0], step)]
+    pieces = [entropy_from_log_probs(torch.log_softmax(chunk.float(), dim=-1)) for chunk in rows.split(step)]  # [n]
     entropy = torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(lead_shape)
 
@@ -128,7 +127,7 @@ def logprobs_and_entropy(logits: Tensor, labels: Tensor, with_entropy: bool = Fa
 
 def _check_chunk_size(chunk_size):
     if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"entropy_from_logits: chunk_size must be a positive int or None, got {chunk_size}")
+        raise ValueError(f"entropy: chunk_size must be a positive int or None, got {chunk_size}")
 
 
 # ------------------------------------------------------------------------------------------------------------------
