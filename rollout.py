@@ -141,8 +141,11 @@ class HFRollout:
             torch.manual_seed(seed)
             if multi_modal:
                 kwargs.update(vision.generate_kwargs(self.model, input_ids, [e["inputs"] for e in multi_modal]))
-            out = self.model.generate(input_ids=input_ids.to(self.device),
-                                      attention_mask=attention_mask.to(self.device), **kwargs)
+            # inference mode: no autograd bookkeeping on the cache and activations (version counters, views);
+            # what leaves it is lists of ints. 5% of a 128 x 64-token generate on bench/vs_trl.py's tiny model
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=input_ids.to(self.device),
+                                          attention_mask=attention_mask.to(self.device), **kwargs)
         return [row[width:].tolist() for row in out.cpu()], None
 
 
