@@ -255,8 +255,11 @@ class Worker:
                 p.requires_grad_(False)
             return
         trainable = [p for p in self.model.parameters() if p.requires_grad]     # with LoRA: the adapter only
+        # on CPU torch steps one tensor at a time unless asked; foreach is the same arithmetic, bit for bit, in
+        # fewer ops (bench/vs_trl.py's model on 2 ranks: 4.0 -> 1.1 ms a step). Accelerators keep torch's choice.
         self.optimizer = torch.optim.AdamW(trainable, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                           weight_decay=optim_cfg.weight_decay)
+                                           weight_decay=optim_cfg.weight_decay,
+                                           foreach=True if device.type == "cpu" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg, total_steps))
 
     def to_device(self, batch):
