@@ -1,7 +1,7 @@
 """minirl vs TRL's GRPOTrainer on the same GRPO workload and the same cores, in alternating runs.
 
 The workload (both sides): a tiny random-init Qwen2 built here (demo.py: hidden 64, 2 layers, head_dim 32, vocab
-512, fp32), 64 prompts chat-templated the same way (--prompts add: the demo's addition prompts, all ~30 tokens;
+512, fp32), 64 prompts chat-templated the same way (--prompts add: the demo's addition prompts, all 23 tokens;
 --prompts gsm8k: the 64 GSM8K questions tests/data ships, as verl's gsm8k preprocessing writes them, 78-286
 tokens), scored by minirl's rule reward for their data source (rewards.default_compute_score: "#### N" for both),
 n=4 responses x up to 64 new tokens per step, sampling at temperature 1 (in HF-generate mode minirl's engine draws
@@ -53,7 +53,7 @@ PHASES = ("gen", "logprob", "update", "other")
 FULL = dict(prompts=64, n=4, response_length=64, micro=32)
 QUICK = dict(prompts=8, n=4, response_length=16, micro=16)
 KL_COEF, CLIP, LR, SEED = 0.01, 0.2, 1e-3, 1
-# prompt sets: the demo's addition prompts (one length, ~30 tokens) or the 64 GSM8K training questions the tests ship
+# prompt sets: the demo's addition prompts (one length, 23 tokens) or the 64 GSM8K training questions the tests ship
 # (78-286 tokens with the demo tokenizer, median 186: the varied lengths of a real RL dataset); max prompt length each
 MAX_PROMPT_LENGTH = {"add": 64, "gsm8k": 320}
 
