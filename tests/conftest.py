@@ -18,6 +18,19 @@ sys.path.insert(0, str(REPO))  # the flat modules at the repo root, whatever dir
 import demo  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory):
+    """One vLLM cache (VLLM_CACHE_ROOT) for the whole session, inherited by every run the tests launch, as a
+    user's runs share vLLM's default one; never the developer's own ~/.cache/vllm."""
+    previous = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm_cache"))
+    yield Path(os.environ["VLLM_CACHE_ROOT"])
+    if previous is None:
+        del os.environ["VLLM_CACHE_ROOT"]
+    else:
+        os.environ["VLLM_CACHE_ROOT"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     """Folder with the tiny byte-level BPE tokenizer (vocab 512, Qwen-style chat template)."""

@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# vLLM puts its temporary and cache files under the run's folder unless these are inherited
-RUN_SCOPED = ("TMPDIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
+# vLLM puts its temporary files under the run's folder unless these are inherited (its cache, VLLM_CACHE_ROOT, is
+# the session's: conftest.shared_vllm_cache)
+RUN_SCOPED = ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def torchrun_cmd(nproc, *args):

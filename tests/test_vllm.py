@@ -122,8 +122,12 @@ def test_rollout_log_probs_match_the_actor_every_step(vllm_run):
 
 
 @needs_vllm
-def test_vllm_files_stay_in_the_run_folder(vllm_run):
-    assert (vllm_run["dir"] / "vllm" / "tmp").is_dir() and (vllm_run["dir"] / "vllm" / "cache").is_dir()
+def test_vllm_temporary_files_stay_in_the_run_folder_and_its_cache_is_shared(vllm_run, shared_vllm_cache):
+    """The cache is VLLM_CACHE_ROOT's (the session's here, ~/.cache/vllm for a user): vLLM's record of the model
+    class there spares the next engine start a subprocess that imports vLLM."""
+    assert (vllm_run["dir"] / "vllm" / "tmp").is_dir()
+    assert not (vllm_run["dir"] / "vllm" / "cache").exists()
+    assert list((shared_vllm_cache / "modelinfos").glob("*Qwen2ForCausalLM*.json"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
