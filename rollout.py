@@ -357,8 +357,8 @@ def check_cpu_head_dim(model_path, trust_remote_code=False):
 
 
 def use_vllm_in_process(run_dir):
-    """Environment for an in-process engine: no engine-core subprocess, and vLLM's and inductor's temporary files
-    under <run_dir>/vllm instead of /tmp (unless already set). vLLM's own cache (VLLM_CACHE_ROOT, ~/.cache/vllm by
+    """Environment for an in-process engine: no engine-core subprocess, and vLLM's temporary files and inductor's
+    compile cache under <run_dir>/vllm instead of /tmp (unless already set). vLLM's own cache (VLLM_CACHE_ROOT, ~/.cache/vllm by
     default) stays shared across runs, as vLLM means it: without its record of the model class, every engine start
     inspects the class in a subprocess that imports vLLM anew (9 s of a 16 s start on the 2-core CPU machine)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
