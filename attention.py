@@ -12,7 +12,9 @@ the attention function). Which attention runs where (`attention_backend`):
     (bench/step.py measures both, and flex attention with a document mask, which is slower on CPU). It also
     takes rows that hold a GRPO group's prompt once (forward._pack_shared): a response segment then attends to
     its group's prompt segment as well as causally to itself (`shared_prefixes`).
-Padded batches (an attention mask, no boundaries) take transformers' sdpa path unchanged.
+Padded batches (an attention mask, no boundaries) take transformers' sdpa path unchanged, and so does attention
+that is not causal: a vision tower (Qwen2-VL, Qwen2.5-VL) calls the model's attention function once per window of
+image patches, with no mask, and those patches attend to each other both ways.
 
 Left out: sliding-window attention in packed rows (an error names it), dropout inside attention on the packed
 CPU path (attention_dropout is 0 in the models minirl trains), ring or sequence-parallel attention.
@@ -71,13 +73,15 @@ def varlen_cpu_attention(module, query, key, value, attention_mask, scaling=None
                          sliding_window=None, cu_seq_lens_q=None, position_ids=None, shared_prefixes=None, **kwargs):
     """Registered as `minirl_varlen`. query [1, Hq, nnz, d], key/value [1, Hkv, nnz, d] -> ([1, nnz, Hq, d], None).
 
-    With a padding mask (the padded path) this is transformers' sdpa. Otherwise the row is cut at the segment
+    With a padding mask (the padded path), and for attention that is not causal (a vision tower's, which calls this
+    once per window with no mask), this is transformers' sdpa. Otherwise the row is cut at the segment
     boundaries (cu_seq_lens_q, else where the position ids restart) and each segment gets causal attention on its
     own: segments of similar length (length_buckets) side by side in one sdpa call. shared_prefixes [(start,
     length) per segment] (forward._pack_shared): a response segment also sees all of the prompt segment it
     continues, which the row holds once for the responses of a group; (0, 0) for none.
     """
-    if attention_mask is not None or query.shape[0] != 1:
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    if attention_mask is not None or query.shape[0] != 1 or not causal:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, position_ids=position_ids, **kwargs)
     if sliding_window is not None:

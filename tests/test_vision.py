@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import vision
+from attention import VARLEN_CPU
 from data import RLHFDataset, collate
 from demo_vl import COLOURS, VL_PROMPT, render_square
 from forward import token_logprobs, token_values
@@ -161,8 +162,12 @@ def plain_forward(model, row, response, **kwargs):
         return model(input_ids=ids, **inputs, **kwargs), len(prompt)
 
 
-def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path):
-    model = load_model(tiny_vl_dir).eval()
+@pytest.mark.parametrize("attn", ["sdpa", VARLEN_CPU])
+def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path, attn):
+    """With either attention the actor can load with on CPU: sdpa, and minirl_varlen (use_remove_padding=true, the
+    seed's value), which the vision tower calls too. It once gave the tower's bidirectional windows causal
+    attention: log-probs 0.007 off the plain forward's, unseen by the vLLM runs' probability check."""
+    model = load_model(tiny_vl_dir, attn_implementation=attn).eval()
     rows, full, responses = image_batch(processor, model.config, tmp_path)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     with torch.no_grad():
@@ -171,10 +176,11 @@ def test_padded_packed_and_plain_forward_agree(tiny_vl_dir, processor, tmp_path)
     mask = full["response_mask"].bool()
     assert float((padded - packed)[mask].abs().max()) < 1e-5
 
-    # independent: the model on each unpadded sequence (the last response token is only a label), with the
-    # processor's inputs and its own positions
+    # independent: the model (loaded with transformers' default attention) on each unpadded sequence (the last
+    # response token is only a label), with the processor's inputs and its own positions
+    plain = load_model(tiny_vl_dir).eval()
     for i, row in enumerate(rows):
-        out, prompt_len = plain_forward(model, row, responses[i])
+        out, prompt_len = plain_forward(plain, row, responses[i])
         logits = out.logits[0, prompt_len - 1:]
         expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(responses[i]).unsqueeze(1))[:, 0]
         assert torch.allclose(padded[i, :len(responses[i])], expected, atol=1e-5), i

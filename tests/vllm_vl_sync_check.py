@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/vllm_vl_sync_check.py VL_MODEL_DIR DATA.parquet OUT.pt RUN_DIR [full|lora]
 
-Like vllm_sync_check.py, for the tiny Qwen2.5-VL (vLLM loads it from disk: see rollout.engine_load_format). Every
+Like vllm_sync_check.py, for the tiny Qwen2.5-VL (vLLM loads it from disk: see rollout.engine_load_format), the
+actor packing its rows (use_remove_padding, the seed's value: the attention every tower calls is minirl's). Every
 rank syncs, samples responses to image prompts, takes one optimizer step of the actor (which moves the vision tower
 too), syncs again and samples again; then takes another step and syncs everything but the vision tower, to show
 that a stale vision tower shows in the log-probs. For each generation it records vLLM's log-probs and, on the same
@@ -62,7 +63,8 @@ def main(model_dir, data_path, out_path, run_dir, mode="full"):
     lora_keys = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
                  "actor_rollout_ref.actor.optim.lr=1e-2"]
     cfg = config(model_dir, 1, run_dir, world,
-                 extra=["data.max_prompt_length=64", *(lora_keys if mode == "lora" else [])])
+                 extra=["data.max_prompt_length=64", "actor_rollout_ref.model.use_remove_padding=true",
+                        *(lora_keys if mode == "lora" else [])])
     seed_everything(0)
     actor = Policy(cfg, device, trainable=True)
     disk_model = load_model(model_dir).eval()
