@@ -288,7 +288,7 @@ class VLLMRollout:
         history (exact resume), repeats of a prompt differ, and every rank of a TP group samples alike, as with
         verl, which seeds only the engine. A list of seeds (the agent loop seeds each turn) seeds each request on
         its own instead, so a turn's tokens do not depend on what else is in the call; vLLM then keeps a generator
-        per request and draws from each in turn at every step (6% of a 128 x 64-token generate on the 2-core
+        per request and draws from each in turn at every step (6-12% of a 128 x 64-token generate on the 2-core
         CPU machine; on GPUs it also turns FlashInfer's sampler off). Prompts with images (multi_modal,
         vision.rollout_inputs) carry them as PIL images; vLLM's processor expands them.
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""

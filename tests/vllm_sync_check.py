@@ -4,9 +4,10 @@
 
 Builds the actor and the vLLM engine with load_format=dummy (random weights: only the syncs make vLLM right).
 Every rank then: syncs, samples 8 responses at T=0.7 (seeded by its TP group), samples them again with the same
-seed and with another, takes one optimizer step of the actor, syncs again and samples again. For both generations it records vLLM's log-probs and, on the same tokens,
-the actor's and those of the untouched model on disk. Rank 0 saves every rank's record in OUT.pt, along with
-what vLLM's start did to the RNG states and the thread count, and how one TP-sharded layer was split.
+seed and with another, takes one optimizer step of the actor, syncs again and samples again. For the first and the
+last generation it records vLLM's log-probs and, on the same tokens, the actor's and those of the untouched model
+on disk. Rank 0 saves every rank's record in OUT.pt, along with what vLLM's start did to the RNG states and the
+thread count, and how one TP-sharded layer was split.
 """
 import random
 import sys
