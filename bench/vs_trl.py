@@ -369,9 +369,9 @@ def main():
           f"micro-batch {w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} "
           "dropped")
     results = {}
-    # One mode at a time: a vLLM run frees gigabytes as it exits, and the run after it was measured up to 23% slower
-    # (2026-12-03), so mixing the modes taxed whichever side came first after a vLLM run. Within a mode the sides
-    # swap their order every round (minirl, TRL, TRL, minirl, ...) so "the run after the other side" hits both alike.
+    # One mode at a time: an HF run right after a vLLM run was measured 23% slower (2026-12-03; a guess: the gigabytes
+    # a vLLM run frees as it exits), so mixing the modes taxed whichever side came first after a vLLM run. Within a
+    # mode the sides swap their order every round (minirl, TRL, TRL, minirl, ...): "the run after the other" hits both.
     for mode in args.modes:
         for round_index in range(args.rounds):
             print(f"{mode}, round {round_index + 1}", flush=True)

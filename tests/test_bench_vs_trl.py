@@ -69,8 +69,8 @@ def test_a_micro_batch_that_does_not_divide_a_process_share_is_refused(tmp_path,
 
 
 def test_runs_finish_one_mode_before_the_next_and_swap_which_side_goes_first(tmp_path, monkeypatch):
-    """A vLLM run frees gigabytes as it exits and slows the run after it, so the order is every HF run, then every
-    vLLM run; within a mode the sides swap who goes first each round. Only the order is checked: no run starts."""
+    """An HF run right after a vLLM run was measured slower, so the order is every HF run, then every vLLM run;
+    within a mode the sides swap who goes first each round. Only the order is checked: no run starts."""
     calls = []
 
     def fake_run(side, work, root, mode, procs, steps, w, timeout):
