@@ -16,7 +16,9 @@ Merge order: DEFAULTS, then the yaml, then CLI overrides in verl's (Hydra's) for
 Every error names the key (or file, or override) and the fix, and is raised as ConfigError before any model
 loads: malformed yaml, unknown keys, wrong types, values out of range, batch sizes that do not divide. The valid
 choices of algorithm keys come from losses.py (and truncation from data.py), so the two never disagree.
-verl's `${...}` interpolations are resolved once all is merged (interpolation.py). Left out: config groups, `~key`.
+verl's `${...}` interpolations are resolved once all is merged (interpolation.py). Hydra's defaults list and
+--config-path/--config-name (verl's example yamls) compose plain names (config_layers). Left out: config groups,
+`~key`.
 """
 from __future__ import annotations
 
@@ -270,7 +272,8 @@ def parse_override(text):
     if text.strip().startswith("~"):
         raise ConfigError(f"{source}: deleting a key (~key) is not supported; set it to its default instead")
     if "=" not in text:
-        raise ConfigError(f"{source} must look like key.path=value (e.g. data.train_batch_size=64)")
+        hint = f"; a config file goes after --config (--config {text})" if text.endswith((".yaml", ".yml")) else ""
+        raise ConfigError(f"{source} must look like key.path=value (e.g. data.train_batch_size=64){hint}")
     key, value = text.split("=", 1)
     key = key.strip()
     key = key.lstrip("+")
@@ -291,11 +294,96 @@ def _nest(parts, value):
     return tree
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Hydra's defaults list: verl's example yamls (examples/sglang_multiturn/config/*.yaml) open with
+#     hydra: {searchpath: [file://verl/trainer/config]}
+#     defaults: [ppo_trainer, _self_]
+# and are run as `--config-path DIR --config-name NAME`. minirl composes plain names from the defaults list; config
+# groups (`group: option`, `group/name`, `name@package`) are refused by name.
+
+VERL_BASE_CONFIG = "ppo_trainer"      # verl's trainer config: its values are minirl's defaults (verl_keys.py)
+
+
+def config_layers(path, _open=()):
+    """[(verl-shaped tree, source)] that the yaml at `path` contributes, in merge order: the entries of its Hydra
+    defaults list, each composed the same way, with the file's own keys where `_self_` stands (last when the list
+    does not name it, as Hydra 1.1+ does). A name is `<name>.yaml` beside the file or in a `file://` folder of its
+    `hydra.searchpath`; `ppo_trainer` is verl's trainer config, i.e. minirl's defaults. The rest of `hydra:`
+    (Hydra's own run settings) has no effect here."""
+    source = f"config file '{_cut(str(path))}'"
+    raw = read_config_file(path)
+    if not isinstance(raw, dict) or ("defaults" not in raw and "hydra" not in raw):
+        return [(_normalise_shape(raw, source), str(path))]
+    raw = dict(raw)
+    hydra, entries = raw.pop("hydra", None) or {}, raw.pop("defaults", None) or []
+    if not isinstance(hydra, dict):
+        raise ConfigError(f"{source}: 'hydra' must be a mapping (Hydra's settings), got {_show(hydra)}")
+    if not isinstance(entries, list):
+        raise ConfigError(f"{source}: 'defaults' must be a list (Hydra's defaults list), got {_show(entries)}")
+    if entries.count("_self_") > 1:
+        raise ConfigError(f"{source}: '_self_' appears {entries.count('_self_')} times in its defaults list; once")
+    if "_self_" not in entries:
+        entries = entries + ["_self_"]
+    folders = [Path(path).parent] + _search_folders(hydra.get("searchpath"), source)
+    layers = []
+    for entry in entries:
+        if entry == "_self_":
+            layers.append((_normalise_shape(raw, source), str(path)))
+        elif entry in (VERL_BASE_CONFIG, VERL_BASE_CONFIG + ".yaml"):
+            layers.append((default_tree(), f"{source}'s defaults entry '{entry}' (verl's trainer config)"))
+        else:
+            layers.extend(config_layers(_defaults_entry_file(entry, folders, source, _open), _open + (path,)))
+    return layers
+
+
+def _search_folders(searchpath, source):
+    """The `file://` folders of Hydra's searchpath (relative ones from the current folder); `pkg://` modules are
+    Python packages minirl does not import, and are skipped."""
+    if searchpath is None:
+        return []
+    if not isinstance(searchpath, list) or not all(isinstance(p, str) for p in searchpath):
+        raise ConfigError(f"{source}: 'hydra.searchpath' must be a list of strings like file://DIR, "
+                          f"got {_show(searchpath)}")
+    return [Path(p[len("file://"):]) for p in searchpath if p.startswith("file://")]
+
+
+def _defaults_entry_file(entry, folders, source, open_files):
+    """The yaml file a plain defaults entry names; anything else is a ConfigError that says what minirl takes."""
+    where = f"{source}: defaults entry {_show(entry)}"
+    if not isinstance(entry, str) or re.search(r"[/@:]|^(override|optional) ", entry):
+        raise ConfigError(f"{where} is a Hydra config group, which minirl does not compose; copy that file's keys "
+                          f"into this one under their place in verl's tree (plain names and '_self_' work)")
+    name = entry if entry.endswith(".yaml") else entry + ".yaml"
+    for folder in folders:
+        candidate = folder / name
+        if candidate.is_file():
+            if any(candidate.resolve() == Path(p).resolve() for p in open_files):
+                raise ConfigError(f"{where} includes a file that includes it (a cycle through {candidate})")
+            return candidate
+    raise ConfigError(f"{where}: no {name} in {', '.join(str(f) for f in folders)}; a name is a yaml beside the "
+                      f"file or in a file:// folder of hydra.searchpath ('{VERL_BASE_CONFIG}' is minirl's defaults)")
+
+
+def config_file_path(config=None, config_path=None, config_name=None):
+    """The config file from minirl's --config or from Hydra's --config-path DIR --config-name NAME (verl's run
+    scripts; NAME with or without .yaml, DIR relative to the current folder); None for minirl's defaults, which
+    is what the name `ppo_trainer` means wherever it stands (verl's trainer config)."""
+    if config_name is None:
+        if config_path is not None:
+            raise ConfigError(f"--config-path {config_path} needs --config-name NAME (the file DIR/NAME.yaml)")
+        return config
+    if config is not None:
+        raise ConfigError(f"--config {config} and --config-name {config_name} name two files; pass one")
+    name = config_name if config_name.endswith(".yaml") else config_name + ".yaml"
+    return None if name == VERL_BASE_CONFIG + ".yaml" else str(Path(config_path or ".") / name)
+
+
 def load_config(path=None, overrides=(), world_size=None, check_paths=True):
-    """Defaults <- yaml at `path` <- overrides; then derive, validate and return a Config."""
+    """Defaults <- yaml at `path` (and what its defaults list names) <- overrides; then derive, validate and
+    return a Config."""
     tree = default_tree()
-    if path is not None:
-        _merge(tree, _normalise_shape(read_config_file(path), f"config file '{path}'"), [], str(path))
+    for layer, source in config_layers(path) if path is not None else []:
+        _merge(tree, layer, [], source)
     for text in overrides:
         parts, value = parse_override(text)
         source = f"override '{_cut(text, 80)}'"

@@ -57,7 +57,7 @@ import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
-from config import ConfigError, load_config, planning_world_size, settings_without_effect
+from config import ConfigError, config_file_path, load_config, planning_world_size, settings_without_effect
 from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
@@ -499,6 +499,10 @@ def parse_args(argv=None):
                                      epilog="Overrides, as verl's: key.path=value, +key.path=value, key=[a,b]; with or "
                                             "without 'backend_config.'")
     parser.add_argument("--config", help="yaml config (seed shape or verl shape)")
+    parser.add_argument("--config-path", "-cp", metavar="DIR", help="Hydra's form, as verl's run scripts pass it: "
+                        "the folder of --config-name")
+    parser.add_argument("--config-name", "-cn", metavar="NAME", help="Hydra's form: the config file DIR/NAME.yaml "
+                        "(its defaults list is composed: plain names and _self_)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and batch plan")
     parser.add_argument("--world-size", type=int, help="with --print-config: the number of processes to plan for "
                         "(default: trainer.nnodes x trainer.n_gpus_per_node when set, else 1); with --to-verl: "
@@ -543,7 +547,8 @@ def main(argv=None):
             return 2
         return 0
     try:
-        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        path = config_file_path(args.config, args.config_path, args.config_name)
+        cfg = load_config(path, args.overrides, world_size=args.world_size)
         if int(os.environ.get("RANK", "0")) == 0 and not args.to_verl:
             for warning in settings_without_effect(cfg):
                 print(f"warning: {warning}", file=sys.stderr)

@@ -36,7 +36,8 @@ def load(paths, *overrides):
     ("trainer=3", r"config key 'trainer' .* must be a mapping of keys, got 3"),
     ("a..b=3", r"override 'a..b=3' has a malformed key 'a..b'"),
     ("~trainer.seed", r"deleting a key \(~key\) is not supported"),
-    ("data.prompt_key", r"override 'data.prompt_key' must look like key.path=value"),
+    ("data.prompt_key", r"override 'data.prompt_key' must look like key.path=value \(e.g. [^)]*\)$"),
+    ("my_run.yaml", r"must look like key.path=value .*; a config file goes after --config \(--config my_run.yaml\)"),
     ("x" * 70000 + "=1", r"characters long; the most is 65536"),
 ])
 def test_malformed_override_is_a_config_error(paths, override, pattern):

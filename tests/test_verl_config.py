@@ -5,6 +5,7 @@ import hashlib
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -190,24 +191,29 @@ VERL_NPU_EXAMPLE = (
     "trainer.test_freq=5 trainer.total_epochs=15")
 
 
+def print_config_through_a_shell(arguments):
+    """`python minirl.py <arguments> --print-config` as a shell reads the line (its quoting): (stdout, config)."""
+    command = f"{shlex.quote(sys.executable)} minirl.py --print-config {arguments}"
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, yaml.safe_load(out.stdout.split("\nplanning for")[0])
+
+
 def test_verls_ascend_example_line_on_verls_file_through_a_shell(paths):
     """Hydra's `++` (force-add), quoted lists and strings, trainer.device=npu, on top of verl's own file."""
     mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
             f"data.val_files={paths['val']}")
-    command = (f"{shlex.quote(sys.executable)} minirl.py --config {shlex.quote(str(VERL_YAML))} --print-config "
-               f"{VERL_NPU_EXAMPLE} {mine}")
-    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0])
+    stdout, printed = print_config_through_a_shell(f"--config {shlex.quote(str(VERL_YAML))} {VERL_NPU_EXAMPLE} "
+                                                   f"{mine}")
     arr = printed["actor_rollout_ref"]
     assert arr["actor"]["entropy_from_logits_with_chunking"] is True and arr["ref"]["use_torch_compile"] is False
     assert printed["trainer"]["logger"] == ["console", "wandb"] and printed["trainer"]["device"] == "npu"
     assert printed["trainer"]["default_local_dir"] == "checkpoints/GRPO/GRPO-Qwen3-8B-npu"   # the file's ${...}
     assert printed["critic"]["rollout_n"] == 5 and arr["rollout"]["response_length"] == 1024
     # 256 prompts x 5 = 1280 responses over 8 ranks = 160 each; mini-batch 64 x 5 / 8 = 40 per rank, micro 10 -> 4
-    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in out.stdout
-    assert "responses per step 1280 (train_batch_size x n), per rank 160" in out.stdout
-    assert "micro-batches per mini-batch 4 (micro batch 10 per rank)" in out.stdout
+    assert "planning for world size 8 (trainer.nnodes x trainer.n_gpus_per_node = 1 x 8)" in stdout
+    assert "responses per step 1280 (train_batch_size x n), per rank 160" in stdout
+    assert "micro-batches per mini-batch 4 (micro batch 10 per rank)" in stdout
 
 
 def test_fsdp_keys_follow_verls_roles(paths):
@@ -226,3 +232,109 @@ def test_fsdp_keys_follow_verls_roles(paths):
     assert f"+{mixed}={{param_dtype: fp32}}" in verl_args
     assert "+actor_rollout_ref.ref.fsdp_config.model_dtype=fp32" in verl_args
     assert load_config(None, verl_args + minirl_only, world_size=2) == cfg
+
+
+# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml (v0.5.0), verbatim: Hydra's settings and
+# defaults list, then the values it changes
+VERL_MULTITURN_YAML = """\
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_assistant_turns: 5
+"""
+
+
+def test_verls_multiturn_yaml_through_config_path_and_name_as_its_run_script_passes_them(paths):
+    """verl's run script: `main_ppo --config-path="$CONFIG_PATH" --config-name='gsm8k_multiturn_grpo' ...`. The
+    file's values land on verl's defaults; the command line still overrides the file (sglang -> vllm)."""
+    folder = paths["dir"] / "config"
+    folder.mkdir()
+    (folder / "gsm8k_multiturn_grpo.yaml").write_text(VERL_MULTITURN_YAML)
+    mine = (f"algorithm.adv_estimator=grpo actor_rollout_ref.rollout.name=vllm "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.model.path={paths['model']} "
+            f"data.train_files={paths['train']} data.val_files={paths['val']} "
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8")
+    _, printed = print_config_through_a_shell(f"--config-path=\"{folder}\" --config-name='gsm8k_multiturn_grpo' {mine}")
+    assert printed["data"]["train_batch_size"] == 256 and printed["data"]["return_raw_chat"] is True
+    assert printed["actor_rollout_ref"]["rollout"]["multi_turn"]["max_assistant_turns"] == 5
+    assert printed["actor_rollout_ref"]["rollout"]["name"] == "vllm"                      # the override won
+    assert printed["actor_rollout_ref"]["actor"]["kl_loss_coef"] == VERL_DEFAULTS["actor_rollout_ref"]["actor"][
+        "kl_loss_coef"]                                                                     # verl's, untouched
+    assert "hydra" not in printed and "defaults" not in printed
+    # the same through Hydra's short flags, with the extension; and the file's own sglang without the override
+    bad = subprocess.run([sys.executable, "minirl.py", "-cp", str(folder), "-cn", "gsm8k_multiturn_grpo.yaml",
+                          "--print-config", *mine.replace("rollout.name=vllm", "rollout.n=5").split()],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert bad.returncode == 2 and "'actor_rollout_ref.rollout.name' is 'sglang'" in bad.stderr
+
+
+def test_defaults_list_order_is_hydras(paths):
+    """Later layers win; the file's own keys stand where `_self_` does, last when it is not listed; a name is a
+    yaml beside the file or in a file:// search folder; `ppo_trainer` is verl's trainer config (the defaults)."""
+    (paths["dir"] / "base.yaml").write_text(yaml.safe_dump(
+        {"data": {"train_batch_size": 16, "max_prompt_length": 300}, "trainer": {"seed": 7}}))
+    shared = paths["dir"] / "shared"
+    shared.mkdir()
+    (shared / "seeds.yaml").write_text(yaml.safe_dump({"defaults": ["_self_"], "trainer": {"seed": 9}}))
+    tree = minimal(paths)["backend_config"]                              # train_batch_size 8 in the file itself
+
+    def load(defaults, **hydra):
+        return load_config(write(paths, {**({"hydra": hydra} if hydra else {}), "defaults": defaults, **tree}),
+                           world_size=2)
+    cfg = load(["base", "_self_"])
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed) == (8, 300, 7)
+    cfg = load(["_self_", "base"])
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length) == (16, 300)
+    cfg = load(["base"])                                                  # _self_ implied last
+    assert cfg.data.train_batch_size == 8
+    cfg = load(["base", "seeds", "_self_"], searchpath=[f"file://{shared}", "pkg://verl.trainer.config"])
+    assert (cfg.trainer.seed, cfg.data.max_prompt_length) == (9, 300)
+    with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic"):
+        load(["_self_", "ppo_trainer"])             # verl's defaults over the file: its grpo back to verl's gae
+
+
+@pytest.mark.parametrize("defaults, hydra, message", [
+    (["actor@actor_rollout_ref.actor: dp_actor"], None, "is a Hydra config group"),
+    ([{"rollout@actor_rollout_ref.rollout": "rollout"}], None, "is a Hydra config group"),
+    (["override data: legacy_data"], None, "is a Hydra config group"),
+    (["nowhere", "_self_"], None, "no nowhere.yaml in"),
+    (["_self_", "_self_"], None, "'_self_' appears 2 times"),
+    ("ppo_trainer", None, "'defaults' must be a list"),
+    (["_self_"], {"searchpath": "file://x"}, "'hydra.searchpath' must be a list"),
+    (["loop"], None, "a cycle through"),
+])
+def test_defaults_list_errors_name_the_entry(paths, defaults, hydra, message):
+    (paths["dir"] / "loop.yaml").write_text(yaml.safe_dump({"defaults": ["cfg"]}))      # cfg.yaml is the file below
+    tree = {**({"hydra": hydra} if hydra else {}), "defaults": defaults, **minimal(paths)["backend_config"]}
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(paths, tree), world_size=2)
+
+
+def test_config_path_and_name_flags(paths):
+    from config import config_file_path
+    assert config_file_path(None, "conf", "run") == str(Path("conf") / "run.yaml")
+    assert config_file_path(None, None, "run.yaml") == "run.yaml"
+    assert config_file_path(None, "anywhere", "ppo_trainer") is None                 # verl's trainer config
+    with pytest.raises(ConfigError, match="needs --config-name"):
+        config_file_path(None, "conf", None)
+    with pytest.raises(ConfigError, match="name two files"):
+        config_file_path("a.yaml", "conf", "run")
