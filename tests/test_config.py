@@ -290,6 +290,14 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert len(warnings) == 2
     assert warnings[0].startswith("config key 'data.dataloader_num_workers'=4 has no effect in minirl")
     assert "'actor_rollout_ref.actor.fsdp_config.forward_prefetch'=True" in warnings[1]
+    # verl's offload switches (its 7B examples set them) say what happens instead, not the subtree's general reason
+    cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                                                     "critic.model.fsdp_config.optimizer_offload=true"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        "config key 'actor_rollout_ref.ref.fsdp_config.param_offload'=True has no effect in minirl: parameters stay "
+        "on the device between phases (no CPU offload)",
+        "config key 'critic.model.fsdp_config.optimizer_offload'=True has no effect in minirl: the optimizer state "
+        "stays on the device (no CPU offload)"]
 
 
 def test_nodes_must_multiply_to_the_world_size(paths):
