@@ -22,6 +22,7 @@ the same collectives).
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -192,7 +193,11 @@ def forward_kept(model, inputs, keep, head_fn=None):
 
     handle = decoder(model).register_forward_hook(cut)
     try:
-        out = model(**inputs, use_cache=False)
+        with warnings.catch_warnings():
+            # a head on [1, n, H] returns a view (nn.Linear on 3-d input), and FSDP2 warns that an in-place op on
+            # the root's output would skip its backward hook; the output here is only read
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            out = model(**inputs, use_cache=False)
     finally:
         handle.remove()
     return result["head"] if head_fn is not None else out.logits[0]

@@ -170,7 +170,9 @@ def _gather_bucket(bucket):
         layout.append((name, tensor.dtype, shape, parts[-1].numel()))
     sent = torch.cat(parts)                                                    # [bytes per rank]
     received = sent.new_empty(ranks * sent.numel())                            # [ranks * bytes per rank]
-    dist.all_gather_into_tensor(received, sent, group=mesh.get_group())
+    # all_gather_single: torch 2.13's name for all_gather_into_tensor (which now warns); older torch lacks it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(received, sent, group=mesh.get_group())
     received = received.view(ranks, sent.numel())
     offset = 0
     for name, dtype, shape, nbytes in layout:

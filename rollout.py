@@ -333,7 +333,8 @@ class VLLMRollout:
 def check_model_fits_vllm(cfg, device_type):
     """Before any model loads, what vLLM would refuse only when it starts (after the trainer's models have
     loaded): on CPU a head size its kernel lacks; a max_model_len past the model's max_position_embeddings (vLLM
-    derives its limit from config.json and refuses longer ones unless the rope is scaled)."""
+    derives its limit from config.json and refuses longer ones unless the rope is scaled); a step budget
+    (max_num_batched_tokens, as the engine gets it) under max_num_seqs."""
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     if rollout.name != "vllm":
         return
@@ -350,6 +351,12 @@ def check_model_fits_vllm(cfg, device_type):
                           f"data.max_prompt_length + data.max_response_length) is more than the "
                           f"max_position_embeddings {limit} of {model.path}, which vLLM refuses: lower it to {limit} "
                           f"or less")
+    engine = vllm_engine_kwargs(cfg, torch.device(device_type))
+    if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
+        raise ConfigError(f"vLLM would get max_num_batched_tokens={engine['max_num_batched_tokens']} (a step's token "
+                          f"budget, from actor_rollout_ref.rollout.max_num_batched_tokens) under max_num_seqs="
+                          f"{engine['max_num_seqs']} (actor_rollout_ref.rollout.max_num_seqs), which it refuses: "
+                          f"raise the first or lower the second")
 
 
 def check_cpu_head_dim(model_path, trust_remote_code=False):

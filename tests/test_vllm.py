@@ -290,6 +290,21 @@ def test_engine_kwargs_are_checked_against_vllm(clean_env):
         passthrough_engine_kwargs({"not_a_vllm_argument": 1})
 
 
+def test_a_step_budget_under_max_num_seqs_is_a_config_error_where_vllm_would_get_it(tiny_model_dir, tmp_path,
+                                                                                    clean_env):
+    """Found passing verl's PPO example line with a 512-token budget (verl's max_num_seqs is 1024): vLLM's
+    validation error came after every model had loaded. On CPU the budget is first raised to max_model_len (40
+    here): 16 becomes 40, enough for 40 sequences but not for 41."""
+    from rollout import check_model_fits_vllm
+    small = ["actor_rollout_ref.rollout.max_num_batched_tokens=16", "actor_rollout_ref.rollout.max_num_seqs=40"]
+    check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, *small), "cpu")
+    with pytest.raises(ConfigError, match=r"vLLM would get max_num_batched_tokens=16 .* under max_num_seqs=40 "):
+        check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, *small), "cuda")
+    one_more = vllm_config(tiny_model_dir, tmp_path, small[0], "actor_rollout_ref.rollout.max_num_seqs=41")
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=40 .* under max_num_seqs=41 "):
+        check_model_fits_vllm(one_more, "cpu")
+
+
 def test_a_max_model_len_vllm_refuses_is_a_config_error_before_models_load(demo_dir, tmp_path):
     """Found passing verl's LoRA example line (max_model_len=1536) on the demo model (512 positions): vLLM's
     multi-line validation error came after the actor had loaded."""
