@@ -350,18 +350,25 @@ def _search_folders(searchpath, source):
 def _defaults_entry_file(entry, folders, source, open_files):
     """The yaml file a plain defaults entry names; anything else is a ConfigError that says what minirl takes."""
     where = f"{source}: defaults entry {_show(entry)}"
-    if not isinstance(entry, str) or re.search(r"[/@:]|^(override|optional) ", entry):
+    if isinstance(entry, dict) or (isinstance(entry, str) and re.search(r"[/@:]|^(override|optional) ", entry)):
         raise ConfigError(f"{where} is a Hydra config group, which minirl does not compose; copy that file's keys "
                           f"into this one under their place in verl's tree (plain names and '_self_' work)")
+    if not isinstance(entry, str) or not entry.strip():
+        raise ConfigError(f"{where} is not a config name; an entry is a name (a yaml file without .yaml) or _self_")
     name = entry if entry.endswith(".yaml") else entry + ".yaml"
     for folder in folders:
         candidate = folder / name
-        if candidate.is_file():
+        try:
+            found = candidate.is_file()
+        except OSError as err:                  # e.g. a name longer than the file system allows
+            raise ConfigError(f"{where}: {_cut(str(candidate))} cannot be used: {err.strerror or err}") from None
+        if found:
             if any(candidate.resolve() == Path(p).resolve() for p in open_files):
                 raise ConfigError(f"{where} includes a file that includes it (a cycle through {candidate})")
             return candidate
-    raise ConfigError(f"{where}: no {name} in {', '.join(str(f) for f in folders)}; a name is a yaml beside the "
-                      f"file or in a file:// folder of hydra.searchpath ('{VERL_BASE_CONFIG}' is minirl's defaults)")
+    raise ConfigError(f"{where}: no {_show(name)} in {', '.join(str(f) for f in folders)}; a name is a yaml "
+                      f"beside the file or in a file:// folder of hydra.searchpath ('{VERL_BASE_CONFIG}' is minirl's "
+                      f"defaults)")
 
 
 def config_file_path(config=None, config_path=None, config_name=None):
