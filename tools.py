@@ -25,9 +25,7 @@ import re
 import uuid
 from pathlib import Path
 
-import yaml
-
-from config import Config, ConfigError
+from config import Config, ConfigError, read_config_file
 from rewards import gsm8k_compute_score
 
 DEFAULT_TIMEOUT_S = 30.0        # per tool call, unless the tool's config sets `timeout`
@@ -106,10 +104,10 @@ def load_tools(path):
     where = f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'"
     if not Path(path).is_file():
         raise ConfigError(f"{where} does not exist")
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{where} is not valid yaml: {err}") from err
+    try:                            # config.py's reader: bounded, no tags, UTF-8 text; its errors name the file
+        raw = read_config_file(path)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list) or not raw["tools"]:
         raise ConfigError(f"{where}: expected a top-level 'tools:' list of {{class_name, config, tool_schema}}")
     tools = {}
@@ -162,7 +160,8 @@ def _check_schema(schema, where):
             params.get("properties", {}), dict):
         fail("needs function.parameters with type: object and a properties mapping")
     required = params.get("required", [])
-    if not isinstance(required, list) or any(name not in params.get("properties", {}) for name in required):
+    if not isinstance(required, list) or any(not isinstance(name, str) or name not in params.get("properties", {})
+                                             for name in required):
         fail(f"lists required parameters {required!r} that are not in its properties")
     return schema
 

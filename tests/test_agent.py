@@ -268,6 +268,9 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
     ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {}}}, "needs function.name"),
     ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {"name": "t", "parameters": {
         "type": "object", "properties": {}, "required": ["x"]}}}}, "required parameters ['x']"),
+    # found by fuzzing verl's gsm8k tool yaml: a mapping in `required` was a TypeError
+    ({"class_name": "tools.BaseTool", "tool_schema": {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}, "required": [{}]}}}}, "required parameters [{}]"),
     ({"tool_schema": schema("t")}, "needs 'class_name'"),
     ({"class_name": "tools.BaseTool", "config": {"timeout": -1}, "tool_schema": schema("t")}, "config.timeout"),
 ])
@@ -281,6 +284,9 @@ def test_invalid_tool_yaml_is_a_clear_error(tmp_path, entry, message):
     assert str(err.value).startswith(f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'")  # the whole key
     path.write_text("tools: [\n")
     with pytest.raises(ConfigError, match="not valid yaml"):
+        tools.load_tools(path)
+    path.write_bytes(bytes(range(256)))                         # not text: named, not a UnicodeDecodeError
+    with pytest.raises(ConfigError, match=r"tool_config_path .*is not a text file"):
         tools.load_tools(path)
 
 
