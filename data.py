@@ -155,6 +155,10 @@ class RLHFDataset:
                              f"{{'style': 'rule', 'ground_truth': ...}}, got {row['reward_model']!r:.200}")
         if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
             raise ValueError(f"{where}, column 'extra_info': expected a struct, got {row['extra_info']!r:.200}")
+        tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs")
+        if not _tools_kwargs_shape(tools_kwargs):
+            raise ValueError(f"{where}, column 'extra_info', key 'tools_kwargs': expected verl's {{tool name: "
+                             f"{{create_kwargs: {{...}}, execute_kwargs: {{...}}, ...}}}}, got {tools_kwargs!r:.200}")
         if self.processor is not None:
             import vision
             vision.check_row(row, self.prompt_key, self.image_key, self.video_key, path.parent, where)
@@ -241,6 +245,17 @@ class RLHFDataset:
         if multi_modal_inputs:
             item["multi_modal_data"], item["multi_modal_inputs"] = multi_modal_data, multi_modal_inputs
         return item
+
+
+def _tools_kwargs_shape(tools_kwargs):
+    """Whether a row's extra_info.tools_kwargs has verl's shape: a mapping of tool names to mappings of
+    `<method>_kwargs` mappings (a parquet struct holds None for what a row leaves out)."""
+    if tools_kwargs is None:
+        return True
+    return isinstance(tools_kwargs, dict) and all(
+        per_tool is None or (isinstance(per_tool, dict) and all(v is None or isinstance(v, dict)
+                                                                 for v in per_tool.values()))
+        for per_tool in tools_kwargs.values())
 
 
 def _as_path_list(files):

@@ -176,6 +176,17 @@ def test_malformed_prompt_names_file_row_and_column(tokenizer, tmp_path):
         RLHFDataset(path, tokenizer, max_prompt_length=32)
 
 
+@pytest.mark.parametrize("tools_kwargs", ["calc", {"calc": "x"}, {"calc": {"create_kwargs": "x"}}])
+def test_malformed_tools_kwargs_names_file_row_and_key(tokenizer, tmp_path, tools_kwargs):
+    """A string where verl's multi-turn rows hold mappings would otherwise fail mid-rollout, in the agent loop
+    (agent._kwargs calls .get on it), after the models had loaded."""
+    good = {"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": "1"}, "execute_kwargs": None}}}
+    RLHFDataset(write_rows(tmp_path / "ok.parquet", ["1"], extra_info=[good]), tokenizer, max_prompt_length=32)
+    path = write_rows(tmp_path / "bad.parquet", ["1", "2"], extra_info=[{"tools_kwargs": tools_kwargs}] * 2)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}, row 0, column 'extra_info', key 'tools_kwargs'"):
+        RLHFDataset(path, tokenizer, max_prompt_length=32)
+
+
 def test_bad_truncation_mode_and_missing_file(tokenizer, tmp_path):
     path = write_rows(tmp_path / "p.parquet", ["1"])
     with pytest.raises(ValueError, match="truncation must be one of"):
