@@ -69,29 +69,37 @@ class Tracker:
                 self.wandb.finish()
 
 
+def complete_rows(path, text):
+    """[(line, row)] for the metrics rows in `text` (the file at `path`). A line that is not a JSON row with a step
+    (the partial last line of an append that a crash cut short, or one still being written) is left out with a
+    warning."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row["step"]
+        except (ValueError, KeyError, TypeError):
+            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); left out",
+                  file=sys.stderr, flush=True)
+            continue
+        rows.append((line, row))
+    return rows
+
+
 def drop_rows_after(path, step):
-    """Rewrite the metrics file without rows past `step` (to a temporary file renamed into place). A line that is
-    not a JSON row (the partial last line a crash during the append leaves) is dropped with a warning. Returns the
-    steps of the rows kept."""
+    """Rewrite the metrics file without rows past `step` or lines that are not rows (complete_rows), to a temporary
+    file renamed into place. Returns the steps of the rows kept."""
     if not path.is_file():
         return set()
     text = path.read_text(errors="replace")
-    lines = [line for line in text.splitlines() if line.strip()]
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            keep = json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            print(f"warning: {path}, line {number}: not a complete metrics row ({line[:60]!r}...); dropped",
-                  file=sys.stderr, flush=True)
-            continue
-        if keep:
-            kept.append(line)
-    if len(kept) < len(lines) or not text.endswith("\n"):
+    kept = [(line, row) for line, row in complete_rows(path, text) if row["step"] <= step]
+    if len(kept) < len([line for line in text.splitlines() if line.strip()]) or not text.endswith("\n"):
         staging = path.with_name(path.name + ".tmp")
-        staging.write_text("".join(line + "\n" for line in kept))
+        staging.write_text("".join(line + "\n" for line, _ in kept))
         os.replace(staging, path)
-    return {json.loads(line)["step"] for line in kept}
+    return {row["step"] for _, row in kept}
 
 
 def stats(prefix, values):
@@ -168,7 +176,7 @@ def plot(run_dir, out=None):
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"--plot: no metrics.jsonl in '{run_dir}' (pass the run's af_output_dir)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [row for _, row in complete_rows(path, path.read_text(errors="replace"))]   # a live run's too
     fig, ax = plt.subplots(figsize=(7, 4))
     train = [(r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r]
     if train:

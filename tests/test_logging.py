@@ -52,3 +52,18 @@ def test_validation_metrics_by_hand():
     assert m["val-core/b/reward/mean@2"] == 1.0 and m["val-aux/b/reward/std@2"] == 0.0
     assert validation_metrics([0.5, 1.0], ["a", "b"], n=1) == {"val-core/a/reward/mean@1": 0.5,
                                                                "val-core/b/reward/mean@1": 1.0}
+
+
+def test_plot_draws_a_live_runs_rows_and_leaves_out_a_partial_line(tmp_path, capsys):
+    """`minirl.py --plot RUN_DIR` while the run still appends: its last line may be half written."""
+    import matplotlib.pyplot as plt
+    from tracking import plot
+    rows = [{"step": 1, "critic/score/mean": 0.1, "val-core/minirl/add/reward/mean@1": 0.2},
+            {"step": 2, "critic/score/mean": 0.3}, {"step": 3, "critic/score/mean": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "critic/sc')
+    out = plot(tmp_path)
+    assert Path(out).stat().st_size > 0
+    train, val = plt.gcf().axes[0].lines
+    assert train.get_xydata().tolist() == [[1, 0.1], [2, 0.3], [3, 0.4]] and val.get_xydata().tolist() == [[1, 0.2]]
+    assert "metrics.jsonl, line 4: not a complete metrics row" in capsys.readouterr().err
+    plt.close("all")
