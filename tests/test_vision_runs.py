@@ -120,20 +120,27 @@ def test_grpo_vl_with_lora_trains_the_vision_towers_adapters(tiny_vl_dir, vl_dat
     assert visual_b and max(float(adapter[name].abs().max()) for name in visual_b) > 0     # lora_B starts at zero
 
 
-def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic(tiny_vl_dir, vl_data, tmp_path):
-    """PPO (GAE) with the tiny VL model as actor and as critic (vision.with_value_head), hf engine, 2 ranks: the
-    critic's metrics are logged and its vision tower and value head are trained (verl trains the critic in full)."""
-    from test_ppo import CRITIC_METRICS
-    out = tmp_path / "ppo_vl"
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+def ppo_vl(tiny_vl_dir, vl_data, out, steps, *extra):
+    """PPO (GAE) with the tiny VL model as actor and as critic, hf engine, 2 ranks, `steps` steps."""
+    return torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
              f"critic.model.path={tiny_vl_dir}", "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
              f"data.train_files={vl_data}/train.parquet", "data.val_files=null", f"af_output_dir={out}",
              f"trainer.default_local_dir={out}/checkpoints", "actor_rollout_ref.rollout.name=hf",
-             "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.logger=[console]",
+             f"trainer.total_training_steps={steps}", "trainer.logger=[console]",
              "data.train_batch_size=4", "data.max_prompt_length=64", "data.max_response_length=8",
              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
-             "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-3")
+             "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-3", *extra)
+
+
+def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic_and_resumes_exactly(tiny_vl_dir, vl_data, tmp_path):
+    """PPO (GAE) with the tiny VL model as actor and as critic (vision.with_value_head): the critic's metrics are
+    logged and its vision tower and value head are trained (verl trains the critic in full); a run resumed from
+    step 2's checkpoint logs the uninterrupted run's step 3 (images, both towers, both optimizers, the loader)."""
+    from test_checkpoint import metric_rows
+    from test_ppo import CRITIC_METRICS
+    out = tmp_path / "ppo_vl"
+    ppo_vl(tiny_vl_dir, vl_data, out, 2, "trainer.save_freq=2")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -150,3 +157,8 @@ def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic(tiny_vl_dir, vl_d
     assert float(trained["lm_head.bias"].abs().max()) > 1e-5
     with pytest.raises(checkpoint.CheckpointError, match="is a vision-language critic"):
         checkpoint.export_hf(out / "checkpoints" / "global_step_2" / "critic", tmp_path / "export")
+    resume = ppo_vl(tiny_vl_dir, vl_data, out, 3, "trainer.save_freq=2", "trainer.resume_mode=auto")
+    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} (global step 2" in resume.stdout + resume.stderr
+    ppo_vl(tiny_vl_dir, vl_data, tmp_path / "straight", 3)
+    resumed, straight = metric_rows(out / "metrics.jsonl"), metric_rows(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight
