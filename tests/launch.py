@@ -31,6 +31,14 @@ def torchrun(nproc, *args, timeout=600, expect_ok=True):
     return out
 
 
+def assert_resumed(out, step):
+    """`out` (a finished run) resumed from its global_step_<step> checkpoint, as checkpoint.load says. Seeded runs
+    are deterministic, so a restart from scratch would log the same metrics as a resume: a resume test that
+    compares metrics must also see the resume happen."""
+    text = out.stdout + out.stderr
+    assert "resumed from " in text and f"global_step_{step} (global step {step}," in text, text[-3000:]
+
+
 def times_said(stderr, message):
     """How many times the ranks printed `message`, not counting torchrun's Root Cause block, which repeats the
     failing rank's line after "traceback : ". Counted in the text, not at line starts: a C++ warning from another

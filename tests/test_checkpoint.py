@@ -22,7 +22,7 @@ import torch
 import checkpoint
 
 from conftest import padded_batch
-from launch import ROOT, launch_env, times_said, torchrun_cmd
+from launch import ROOT, assert_resumed, launch_env, times_said, torchrun_cmd
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
@@ -141,7 +141,7 @@ def kill_after_step_2_checkpoint(demo_dir, data_file, out, *extra):
 def test_sigkill_then_auto_resume_matches_the_uninterrupted_run(run_a, demo_dir, data_file, tmp_path):
     """Kill the job while step 3 runs (the step-2 checkpoint complete), then rerun the same command."""
     kill_after_step_2_checkpoint(demo_dir, data_file, tmp_path)
-    train(demo_dir, data_file, tmp_path)                             # trainer.resume_mode=auto (the default)
+    assert_resumed(train(demo_dir, data_file, tmp_path), 2)           # trainer.resume_mode=auto (the default)
     rows = metric_rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], "each step once: rows logged after the checkpoint dropped"
     resumed = rows[2:]
@@ -160,7 +160,7 @@ def test_a_kill_between_the_save_and_the_metrics_append_loses_no_row(run_a, demo
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     (out / "metrics.jsonl").write_text("".join(lines[:3]))
-    train(demo_dir, data_file, out)
+    assert_resumed(train(demo_dir, data_file, out), 4)
     rows = metric_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows == metric_rows(run_a / "metrics.jsonl")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import checkpoint
 import lora
 from config import ConfigError, load_config
-from launch import ROOT, torchrun, torchrun_cmd
+from launch import ROOT, assert_resumed, torchrun, torchrun_cmd
 from test_checkpoint import (data_file, hand_logprobs, kill_after_step_2_checkpoint, metric_rows,  # noqa: F401
                              probe_batch, run, run_overrides, train)
 from test_config import minimal, paths, write  # noqa: F401
@@ -131,7 +131,7 @@ def test_grpo_with_lora_on_the_hf_engine(lora_run, demo_dir):
 def test_lora_sigkill_then_auto_resume_matches_the_uninterrupted_run(lora_run, demo_dir, data_file,  # noqa: F811
                                                                      tmp_path):
     kill_after_step_2_checkpoint(demo_dir, data_file, tmp_path, *HF_LORA)
-    train(demo_dir, data_file, tmp_path, *HF_LORA)
+    assert_resumed(train(demo_dir, data_file, tmp_path, *HF_LORA), 2)
     rows = metric_rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[2:] == metric_rows(lora_run["dir"] / "metrics.jsonl")[2:]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import demo_tools
-from launch import ROOT, launch_env, torchrun
+from launch import ROOT, assert_resumed, launch_env, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +173,10 @@ def test_hf_async_resume_gives_the_uninterrupted_runs_step_2(box_dir, hf_runs, t
     2's metrics (tool calls and errors, turns included) and conversations equal the uninterrupted run's. (Checked
     by hand with SIGKILL mid-checkpoint on the tool demo too.)"""
     def resume_run(steps):
-        torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, tmp_path, "hf", "async"),
+        return torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, tmp_path, "hf", "async"),
                  f"trainer.total_training_steps={steps}", "trainer.save_freq=1")
     resume_run(1)
-    resume_run(2)
+    assert_resumed(resume_run(2), 1)
     wall_clock = ("timing_s/", "timing_per_token_ms/", "perf/")
     rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(wall_clock)}
             for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

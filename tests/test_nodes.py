@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from launch import ROOT, launch_env, torchrun_cmd
+from launch import ROOT, assert_resumed, launch_env, torchrun_cmd
 
 
 def free_port():
@@ -47,5 +47,5 @@ def test_two_nodes_on_localhost_train_and_one_node_resumes(demo_dir, tmp_path):
                                           *overrides(demo_dir, out, 3)),
                              cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
+    assert_resumed(resumed, 2)
     assert metric_steps(out) == [1, 2, 3]

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import offpolicy
 from config import ConfigError, load_config
-from launch import ROOT, launch_env, torchrun, torchrun_cmd
+from launch import ROOT, assert_resumed, launch_env, torchrun, torchrun_cmd
 from offpolicy_probe import sampled_logprobs
 from test_checkpoint import data_file, metric_rows, run_overrides, worker_pids  # noqa: F401  (data_file: fixture)
 
@@ -161,7 +161,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_split_run(demo_dir, data_
             os.killpg(pid, signal.SIGKILL)
         agent.wait()
     assert not (killed / "checkpoints" / "global_step_4").exists(), "the kill came too late to test anything"
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *args(killed), timeout=400)
+    assert_resumed(torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *args(killed), timeout=400), 2)
     rows = metric_rows(killed / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[2:] == metric_rows(whole / "metrics.jsonl")[2:]

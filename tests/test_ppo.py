@@ -10,7 +10,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import losses
 from demo import build_tiny_model
-from launch import ROOT, torchrun
+from launch import ROOT, assert_resumed, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +145,14 @@ def test_ppo_checkpoint_resumes_critic_and_kl_controller_exactly(demo_dir, ppo_m
     """A 3-step PPO run (critic, adaptive in-reward KL) vs 2 steps + a checkpoint + resume for the 3rd: step 3's
     metrics are identical, so the critic's weights/optimizer and the KL coefficient came back exactly."""
     def ppo(out, steps, *extra):
-        torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", *base_overrides(demo_dir, out, steps),
+        return torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", *base_overrides(demo_dir, out, steps),
                  f"critic.model.path={ppo_models}/critic", "algorithm.use_kl_in_reward=true",
                  "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01", "trainer.logger=[console]",
                  *extra)
     ppo(tmp_path / "straight", 3)
     ppo(tmp_path / "resumed", 2, "trainer.save_freq=2")
     assert (tmp_path / "resumed" / "checkpoints" / "global_step_2" / "critic").is_dir()
-    ppo(tmp_path / "resumed", 3, "trainer.save_freq=2", "trainer.resume_mode=auto")
+    assert_resumed(ppo(tmp_path / "resumed", 3, "trainer.save_freq=2", "trainer.resume_mode=auto"), 2)
     straight, resumed = metric_rows(tmp_path / "straight" / "metrics.jsonl"), metric_rows(
         tmp_path / "resumed" / "metrics.jsonl")
     assert resumed[3] == straight[3]

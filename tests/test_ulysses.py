@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2Config
 
 from config import ConfigError, load_config
-from launch import ROOT, torchrun
+from launch import ROOT, assert_resumed, torchrun
 
 SP2 = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2,actor_rollout_ref.model.use_remove_padding=true"
 VARIANTS = {
@@ -57,13 +57,16 @@ def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, varian
 # The trainer with sp=2
 
 
-def run_trainer(demo_dir, out, *overrides):
-    """A short run of the demo config on 2 ranks; returns its metrics rows."""
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+def run_trainer(demo_dir, out, *overrides, resumed_at=None):
+    """A short run of the demo config on 2 ranks; returns its metrics rows. resumed_at: the checkpoint step it
+    must have resumed from (launch.assert_resumed)."""
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
              f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
              f"af_output_dir={out}", "trainer.val_before_train=false", "trainer.test_freq=-1",
              "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides)
+    if resumed_at is not None:
+        assert_resumed(run, resumed_at)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -82,7 +85,7 @@ def test_grpo_with_sequence_parallel_then_resume_without(demo_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "actor/entropy"))
     rows = run_trainer(demo_dir, tmp_path, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3",
-                       "trainer.save_freq=-1", "trainer.resume_mode=auto")
+                       "trainer.save_freq=-1", "trainer.resume_mode=auto", resumed_at=2)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_trains(rows[2:], ("actor/pg_loss", "actor/kl_loss"))
 
@@ -95,7 +98,7 @@ def test_sequence_parallel_resume_is_exact(demo_dir, tmp_path):
                            "trainer.save_freq=-1")
     run_trainer(demo_dir, tmp_path / "resumed", *sp2, "trainer.total_training_steps=2", "trainer.save_freq=2")
     resumed = run_trainer(demo_dir, tmp_path / "resumed", *sp2, "trainer.total_training_steps=3",
-                          "trainer.save_freq=-1", "trainer.resume_mode=auto")
+                          "trainer.save_freq=-1", "trainer.resume_mode=auto", resumed_at=2)
     wall_clock = ("timing_s/", "timing_per_token_ms/", "perf/")
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert [{k: v for k, v in row.items() if not k.startswith(wall_clock)} for row in resumed] == \

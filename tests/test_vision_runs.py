@@ -11,7 +11,7 @@ import torch
 
 import checkpoint
 from demo_vl import vl_demo_rows
-from launch import ROOT, torchrun
+from launch import ROOT, assert_resumed, torchrun
 from test_trainer import VERL_NAMES
 from test_vllm import PROBS_DIFF, masked_max_abs
 
@@ -157,8 +157,7 @@ def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic_and_resumes_exact
     assert float(trained["lm_head.bias"].abs().max()) > 1e-5
     with pytest.raises(checkpoint.CheckpointError, match="is a vision-language critic"):
         checkpoint.export_hf(out / "checkpoints" / "global_step_2" / "critic", tmp_path / "export")
-    resume = ppo_vl(tiny_vl_dir, vl_data, out, 3, "trainer.save_freq=2", "trainer.resume_mode=auto")
-    assert f"resumed from {out / 'checkpoints' / 'global_step_2'} (global step 2" in resume.stdout + resume.stderr
+    assert_resumed(ppo_vl(tiny_vl_dir, vl_data, out, 3, "trainer.save_freq=2", "trainer.resume_mode=auto"), 2)
     ppo_vl(tiny_vl_dir, vl_data, tmp_path / "straight", 3)
     resumed, straight = metric_rows(out / "metrics.jsonl"), metric_rows(tmp_path / "straight" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from launch import ROOT, torchrun
+from launch import ROOT, assert_resumed, torchrun
 from rollout import (VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, use_vllm_in_process,
                      vllm_engine_kwargs)
 from test_checkpoint import metric_rows
@@ -106,7 +106,7 @@ def train_with_vllm(demo_dir, out, tp, *extra):
     The step budget is one sequence long (80 tokens), so each rank's prompts (8 of ~30 tokens; 50 in validation)
     take several scheduler steps to prefill: with vLLM's chunked prefill on CPU this died at the first step ("CPU
     Generator does not use offset"), as any run whose prompts outgrow max_num_batched_tokens did."""
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+    return torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
              f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
              f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
              "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
@@ -156,7 +156,8 @@ def test_a_resumed_vllm_run_samples_and_logs_what_the_uninterrupted_run_did(vllm
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     (out / "metrics.jsonl").write_text("".join(lines[:3]))                        # steps 0 (validation), 1, 2
-    train_with_vllm(demo_dir, out, vllm_run["tp"], "trainer.val_before_train=false")   # (verl validates on resume)
+    resumed = train_with_vllm(demo_dir, out, vllm_run["tp"], "trainer.val_before_train=false")  # verl validates
+    assert_resumed(resumed, 2)
     assert metric_rows(out / "metrics.jsonl") == metric_rows(vllm_run["dir"] / "metrics.jsonl")
 
 
