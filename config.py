@@ -332,7 +332,8 @@ def config_layers(path, _open=()):
         elif entry in (VERL_BASE_CONFIG, VERL_BASE_CONFIG + ".yaml"):
             layers.append((default_tree(), f"{source}'s defaults entry '{entry}' (verl's trainer config)"))
         else:
-            layers.extend(config_layers(_defaults_entry_file(entry, folders, source, _open), _open + (path,)))
+            inside = _open + (path,)
+            layers.extend(config_layers(_defaults_entry_file(entry, folders, source, inside), inside))
     return layers
 
 

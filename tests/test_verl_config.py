@@ -323,6 +323,7 @@ def test_defaults_list_order_is_hydras(paths):
     ("ppo_trainer", None, "'defaults' must be a list"),
     (["_self_"], {"searchpath": "file://x"}, "'hydra.searchpath' must be a list"),
     (["loop"], None, "a cycle through"),
+    (["cfg"], None, "defaults entry 'cfg' includes a file that includes it"),          # the file itself
 ])
 def test_defaults_list_errors_name_the_entry(paths, defaults, hydra, message):
     (paths["dir"] / "loop.yaml").write_text(yaml.safe_dump({"defaults": ["cfg"]}))      # cfg.yaml is the file below

@@ -105,24 +105,26 @@ def train_with_vllm(demo_dir, out, tp, *extra):
     """Three GRPO steps on 2 ranks with rollout.name=vllm, validation before and after, a checkpoint after step 2.
     The step budget is one sequence long (80 tokens), so each rank's prompts (8 of ~30 tokens; 50 in validation)
     take several scheduler steps to prefill: with vLLM's chunked prefill on CPU this died at the first step ("CPU
-    Generator does not use offset"), as any run whose prompts outgrow max_num_batched_tokens did."""
-    return torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
-             f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
-             f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
-             "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-             "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=2",
-             "trainer.logger=[console]", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-             "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.max_num_batched_tokens=80",
-             "actor_rollout_ref.rollout.max_num_seqs=64", *extra)          # vLLM: max_num_seqs <= the budget
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    Generator does not use offset"), as any run whose prompts outgrow max_num_batched_tokens did.
+    Returns (metrics rows, the finished torchrun)."""
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+                   f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
+                   f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
+                   "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                   "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=2",
+                   "trainer.logger=[console]", "data.train_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                   "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                   "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.max_num_batched_tokens=80",
+                   "actor_rollout_ref.rollout.max_num_seqs=64", *extra)          # vLLM: max_num_seqs <= the budget
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], run
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def vllm_run(request, demo_dir, tmp_path_factory):
     tp = request.param
     out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
-    return {"dir": out, "tp": tp, "rows": train_with_vllm(demo_dir, out, tp)}
+    return {"dir": out, "tp": tp, "rows": train_with_vllm(demo_dir, out, tp)[0]}
 
 
 @needs_vllm
@@ -156,7 +158,7 @@ def test_a_resumed_vllm_run_samples_and_logs_what_the_uninterrupted_run_did(vllm
     (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     (out / "metrics.jsonl").write_text("".join(lines[:3]))                        # steps 0 (validation), 1, 2
-    resumed = train_with_vllm(demo_dir, out, vllm_run["tp"], "trainer.val_before_train=false")  # verl validates
+    _, resumed = train_with_vllm(demo_dir, out, vllm_run["tp"], "trainer.val_before_train=false")  # verl validates
     assert_resumed(resumed, 2)
     assert metric_rows(out / "metrics.jsonl") == metric_rows(vllm_run["dir"] / "metrics.jsonl")
 
