@@ -60,11 +60,12 @@ def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, varian
 def run_trainer(demo_dir, out, *overrides, resumed_at=None):
     """A short run of the demo config on 2 ranks; returns its metrics rows. resumed_at: the checkpoint step it
     must have resumed from (launch.assert_resumed)."""
-    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
-             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
-             f"af_output_dir={out}", "trainer.val_before_train=false", "trainer.test_freq=-1",
-             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides)
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+                   f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
+                   f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
+                   "trainer.val_before_train=false", "trainer.test_freq=-1", "data.train_batch_size=4",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides)
     if resumed_at is not None:
         assert_resumed(run, resumed_at)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -234,8 +234,8 @@ def test_fsdp_keys_follow_verls_roles(paths):
     assert load_config(None, verl_args + minirl_only, world_size=2) == cfg
 
 
-# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml (v0.5.0), verbatim: Hydra's settings and
-# defaults list, then the values it changes
+# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): Hydra's
+# settings and defaults list, then the values it changes
 VERL_MULTITURN_YAML = """\
 hydra:
   searchpath:
