@@ -82,7 +82,9 @@ def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True):
     false keeps every layer's from forward to backward, for the memory of the whole unsharded model meanwhile.
     Since that memory is then taken anyway, minirl keeps them for the rest of the mini-batch too (Worker.optimize:
     one all-gather per layer and mini-batch; verl gathers again for each micro-batch) and for the rest of a no-grad
-    pass (frozen_pass). Gradients are reduce-scattered after each micro-batch's backward either way."""
+    pass (frozen_pass). Gradients are reduce-scattered after each micro-batch's backward (verl), except on CPU with
+    reshard_after_forward=false: there they add up unsharded until the mini-batch's last backward
+    (Worker.optimize)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
               else MixedPrecisionPolicy())
@@ -251,6 +253,14 @@ class Worker:
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu",
                                  reshard_after_forward=fsdp_cfg.reshard_after_forward)
         self.keep_gathered = not fsdp_cfg.reshard_after_forward
+        # On CPU each gloo collective blocks its rank until the other ranks arrive (no communication stream runs
+        # it beside the backward, as NCCL's and HCCL's do), so every reduce-scatter is a barrier where a rank the
+        # host paused holds all the others up. With the whole model gathered through the mini-batch anyway, the
+        # gradients add up unsharded on each rank and are reduce-scattered once, in the mini-batch's last
+        # backward: one reduce per FSDP module and mini-batch instead of one per micro-batch, the same sum, at
+        # the memory of one unsharded fp32 gradient copy (what DDP holds). Accelerators keep verl's per-micro-batch
+        # reduce-scatter, whose sharded gradients it overlaps with the backward.
+        self.reduce_once = self.keep_gathered and device.type == "cpu"
         if optim_cfg is None:
             self.model.eval()
             for p in self.model.parameters():
@@ -332,8 +342,11 @@ class Worker:
                 shares = {}
                 micro_batches = self.micro_batches(mini, plan.micro_batch_rows, plan.dynamic, plan.max_tokens)
                 for k, index in enumerate(micro_batches):
+                    last = k == len(micro_batches) - 1
                     if self.keep_gathered:     # the weights do not change before the optimizer step: gather once
-                        self.model.set_reshard_after_backward(k == len(micro_batches) - 1)
+                        self.model.set_reshard_after_backward(last)
+                        if self.reduce_once:
+                            self.model.set_requires_gradient_sync(last)
                     loss, micro_metrics = loss_fn(self.to_device(take(mini, index)), counts)
                     (loss * plan.dp_size).backward()          # FSDP averages gradients over the dp ranks
                     for name, value in micro_metrics.items():

@@ -5,8 +5,8 @@
 VARIANT is `name:key=value,key=value` (config overrides). Each variant loads the model afresh, computes the
 log-probs and entropy of this rank's contiguous share of the batch (Policy.compute_log_prob) and runs Policy.update
 on it, and rank 0 saves the full log-probs, entropy, gradients and the weights after the optimizer step under
-OUT.pt[name], with what FSDP did: the parameters left gathered after the log-prob pass and the all-gathers of the
-update.
+OUT.pt[name], with what FSDP did: the parameters left gathered after the log-prob pass and the all-gathers and
+reduce-scatters of the update.
 """
 import contextlib
 import sys
@@ -71,7 +71,8 @@ def main(batch_path, out_path, model_dir, *variants):
         gathered = [n for n, p in actor.model.named_parameters() if not isinstance(p, DTensor)]
         layer_calls = []    # checkpointing re-enters each layer in backward (a pre-hook: recompute may stop early)
         hook = decoder_layers(actor.model)[0].register_forward_pre_hook(lambda *_: layer_calls.append(1))
-        with counting(torch.distributed, "all_gather_single") as all_gathers:        # FSDP2's unshard
+        with (counting(torch.distributed, "all_gather_single") as all_gathers,          # FSDP2's unshard
+              counting(torch.distributed, "reduce_scatter_single") as reduce_scatters):   # and gradient reduce
             metrics = actor.update(local, dp_size=plan["dp"])
         hook.remove()
         grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
@@ -79,7 +80,7 @@ def main(batch_path, out_path, model_dir, *variants):
         results[name] = {"grads": grads, "weights": weights, "metrics": metrics,
                          "log_probs": all_gather_rows(logp, world), "entropy": all_gather_rows(entropy, world),
                          "update_layer_calls": len(layer_calls), "gathered_after_log_prob": gathered,
-                         "update_all_gathers": len(all_gathers)}
+                         "update_all_gathers": len(all_gathers), "update_reduce_scatters": len(reduce_scatters)}
     if rank == 0:
         torch.save(results, out_path)
     torch.distributed.barrier()           # no rank tears gloo down while another still uses it

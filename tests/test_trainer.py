@@ -238,6 +238,21 @@ def test_reshard_after_forward_false_gathers_each_layer_once_per_mini_batch(orac
     assert oracle_results["world2_gathered"]["update_all_gathers"] == layers + 1
 
 
+def test_on_cpu_reshard_after_forward_false_reduces_gradients_once_per_mini_batch(oracle_results, tiny_model_dir):
+    """On CPU (gloo) with reshard_after_forward=false the gradients of a mini-batch add up unsharded and are
+    reduce-scattered in its last backward: one reduce-scatter per FSDP module (each decoder layer, and the root)
+    and mini-batch, where the default reduces after every micro-batch's backward. The gradients and weights are
+    the single-process run's (test_one_update_is_independent_of_batching: world2_gathered), and a second
+    mini-batch starts from zero gradients (test_parameters_kept_gathered_are_gathered_again_after_each_optimizer
+    _step: world2_two_steps_gathered)."""
+    modules = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.num_hidden_layers + 1
+    micro_batches = 8 // 2 // 2                       # 8 rows over 2 ranks, 2 per micro-batch, one mini-batch
+    assert oracle_results["world2_checkpointing"]["update_reduce_scatters"] == modules * micro_batches
+    assert oracle_results["world2_gathered"]["update_reduce_scatters"] == modules
+    mini_batches = 2                       # TWO_STEPS: 2 mini-batches of 2 rows a rank, 1 row per micro-batch
+    assert oracle_results["world2_two_steps_gathered"]["update_reduce_scatters"] == modules * mini_batches
+
+
 def test_parameters_kept_gathered_are_gathered_again_after_each_optimizer_step(oracle_results):
     """Two mini-batches (two optimizer steps), 2 micro-batches each: with reshard_after_forward=false the second
     mini-batch must run on the weights the first step wrote, not on the copies gathered before it."""

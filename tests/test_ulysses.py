@@ -18,6 +18,10 @@ VARIANTS = {
     # log-prob pass packs 3 rows (21, 20, 15 tokens)
     "sp2_micro1": f"{SP2},actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1,"
                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+    # the same with the parameters gathered through the mini-batch and, on CPU, the gradients reduced once
+    "sp2_micro1_gathered": f"{SP2},actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1,"
+                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3,"
+                           "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
     # a token budget (16 per device: 32 per sp group)
     "sp2_dynamic": f"{SP2},actor_rollout_ref.actor.use_dynamic_bsz=true,"
                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
