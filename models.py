@@ -258,8 +258,8 @@ class Worker:
         # host paused holds all the others up. With the whole model gathered through the mini-batch anyway, the
         # gradients add up unsharded on each rank and are reduce-scattered once, in the mini-batch's last
         # backward: one reduce per FSDP module and mini-batch instead of one per micro-batch, the same sum, at
-        # the memory of one unsharded fp32 gradient copy (what DDP holds). Accelerators keep verl's per-micro-batch
-        # reduce-scatter, whose sharded gradients it overlaps with the backward.
+        # the memory of one unsharded fp32 gradient copy (what DDP holds). Accelerators keep verl's reduce-scatter
+        # after every micro-batch: it overlaps with the backward there, and the gradients stay sharded.
         self.reduce_once = self.keep_gathered and device.type == "cpu"
         if optim_cfg is None:
             self.model.eval()
