@@ -14,6 +14,10 @@ from gloo/NCCL within the collective timeout).
         code = failures.report(err, rank, expected)           # print once, return the exit code
         failures.exit_now(code)                               # os._exit when other ranks exist
 
+A successful run with other ranks ends with os._exit as well (failures.leave, after the closing barrier): gloo's
+worker threads may still be releasing the last collectives' tensors, and one that takes the GIL while the
+interpreter finalizes aborts the process.
+
 Left out: restarting failed ranks (torchrun --max-restarts does that, and auto-resume picks up the checkpoint).
 """
 import json
@@ -166,7 +170,12 @@ def exit_now(code):
     """End this process now when other ranks exist (no atexit handlers, no process-group teardown: both could
     wait for ranks that will never answer); with one process, return the code to the caller."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(code)
     return code
+
+
+def leave(code):
+    """Flush stdout and stderr and end the process with `code`, skipping Python's teardown (os._exit)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

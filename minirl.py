@@ -570,7 +570,8 @@ def main(argv=None):
 def train(cfg):
     """Set up and train. Any failure on any rank (an exception, Ctrl-C) is printed once and ends this process
     at once, without the closing barrier the other ranks would never reach (failures.py); torchrun then stops
-    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted."""
+    the rest. Returns the exit code: 0, 2 for bad input, 3 for a diverged run, 1 otherwise, 130 interrupted; with
+    several ranks the process ends here instead, with that code, success included."""
     known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
     trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     try:
@@ -583,7 +584,13 @@ def train(cfg):
     except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
         rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         return failures.exit_now(failures.report(err, rank, expected))
+    several_ranks = dist.is_initialized() and dist.get_world_size() > 1      # close() ends torch.distributed
     trainer.close()
+    if several_ranks:
+        # A successful run with other ranks skips Python's teardown too. gloo's worker threads may still be
+        # releasing the last collectives' tensors, which takes the GIL, and a thread that takes it while the
+        # interpreter finalizes aborts the process: SIGABRT after a run that succeeded (pytorch issue 190489).
+        failures.leave(0)
     return 0
 
 

@@ -1,6 +1,7 @@
 """One rank's failure ends the whole run, loudly and once (real torchrun, 2 CPU ranks, the demo model): a reward
 function that raises on rank 1 only, Ctrl-C (SIGINT) to one worker, and a SIGKILLed torchrun whose workers must
-not outlive it. Each run is bounded by a subprocess timeout: before failures.py the first two hung forever."""
+not outlive it; and a successful run that must not abort in Python's teardown. Each run is bounded by a
+subprocess timeout: before failures.py the first two hung forever."""
 import os
 import re
 import signal
@@ -175,3 +176,51 @@ failures.exit_now(failures.report(err, rank, [(ValueError, "error", 2)]))
     assert out.returncode != 0
     root_cause = out.stderr[out.stderr.rindex("Root Cause"):]
     assert "traceback : error: row 7 of train.parquet has no prompt" in root_cause, out.stderr[-3000:]
+
+
+def test_a_successful_run_with_other_ranks_never_aborts_in_pythons_teardown(tmp_path):
+    """gloo's worker threads may still be releasing a collective's tensors when a successful run returns; one
+    that takes the GIL for it while the interpreter finalizes aborts the process (SIGABRT, exit code -6 after a
+    run that succeeded: 1 run in 25 on the 2-core host with two busy loops beside it). Made certain here: the stub trainer's last
+    all-gather completes only once the interpreter is finalizing (rank 1 joins it 2 s late, and an object torn
+    down with the module takes 4 s). minirl.train must end the process before that (it aborts when train
+    returns instead)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""
+import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+import torch.distributed as dist
+import minirl
+
+
+class SlowTeardown:
+    def __del__(self):
+        time.sleep(4)
+
+
+class StubTrainer:
+    def __init__(self, cfg):
+        dist.init_process_group("gloo")
+        self.rank = dist.get_rank()
+
+    def fit(self):
+        if self.rank == 1:
+            time.sleep(2)
+        gathered = [torch.zeros(1000) for _ in range(2)]
+        dist.all_gather(gathered, torch.ones(1000), async_op=True)    # its work holds the tensors until done
+        print(f"rank {{self.rank}} trained", flush=True)
+
+    def close(self):
+        pass
+
+
+slow_teardown = SlowTeardown()
+minirl.offpolicy.is_rollout_rank = lambda cfg: False
+minirl.Trainer = StubTrainer
+sys.exit(minirl.train(cfg=None))
+""")
+    out = subprocess.run(torchrun_cmd(2, probe), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                         timeout=BOUND_S)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "rank 0 trained" in out.stdout and "rank 1 trained" in out.stdout
