@@ -238,6 +238,8 @@ class VLLMRollout:
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
             self.llm = vllm.LLM(**kwargs)
+        if device.type == "cpu":
+            unlink_cpu_shared_memory(vllm_process_groups())
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self.base_loaded = not rollout.load_format.startswith("dummy")
         self.adapter_dir = Path(cfg.af_output_dir, "vllm", f"adapter_rank{rank}")
@@ -505,6 +507,36 @@ def preserved_num_threads():
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+def vllm_process_groups():
+    """vLLM's live process groups in this process (tensor parallel, pipeline, ...)."""
+    from vllm.distributed import parallel_state
+    return [group for group in (ref() for ref in list(parallel_state._groups.values())) if group is not None]
+
+
+def unlink_cpu_shared_memory(groups):
+    """Remove the names of vLLM-CPU's shared-memory segments now, keeping the segments.
+
+    vLLM's CPU backend (on hosts with AVX-512) joins each TP/PP group through one POSIX shared-memory segment per
+    rank, `/dev/shm/<ident>-<group>-[<ranks>]-cpushm_<rank>`, with the same names in every run on the host (the
+    ident comes from external_launcher's fixed `env://`), created exclusively and unlinked only by a C++ static
+    destructor. A process that ends without running one (minirl's ranks end with os._exit, failures.py; a kill)
+    leaves the names behind, and the host's next TP run dies with "create shm in SHMManager failed. errno: 17".
+    Once the engine is up every rank of the group has mapped every segment (vLLM joins behind a barrier), and a
+    mapping outlives its name: unlinking here leaves nothing to leak, however the process ends."""
+    import _posixshmem
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    for group in groups:
+        communicator = group.device_communicator
+        shared = getattr(communicator, "dist_module", None)
+        if not isinstance(shared, _CPUSHMDistributed):
+            continue                                           # gloo for this group, or a GPU communicator
+        for group_rank in range(communicator.world_size):      # SHMManager::get_shm_name: "<group name>_<rank>"
+            try:
+                _posixshmem.shm_unlink(f"{shared.group_name}_{group_rank}")
+            except FileNotFoundError:
+                pass                                           # another rank of the group unlinked it first
 
 
 def build_rollout(cfg, tokenizer, device):

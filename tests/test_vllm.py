@@ -208,6 +208,60 @@ def test_vllm_sockets_leave_a_run_folder_too_deep_for_a_unix_socket(tmp_path_fac
     assert socket_binds(os.environ["VLLM_RPC_BASE_PATH"])
 
 
+@needs_vllm
+def test_vllms_cpu_shared_memory_names_are_gone_once_the_engine_is_up(monkeypatch):
+    """vLLM-CPU (AVX-512 hosts) gives each TP rank a shared-memory segment, named alike in every run on the host,
+    created exclusively and unlinked only by a C++ destructor that os._exit skips: after a TP run the host's next
+    one died with "create shm in SHMManager failed. errno: 17" (CI, test_lora's and test_offpolicy's TP runs).
+    Segments are made here as that C++ makes them (shm_open, O_CREAT | O_EXCL) under the names vLLM's own
+    make_group_name gives a TP group of ranks 0-1 plus "_<rank>"; after rollout.unlink_cpu_shared_memory the
+    mappings still work and the next run's exclusive create succeeds. (This host's vllm-cpu build may lack the
+    segments altogether: AVX2 builds use gloo.)"""
+    import _posixshmem
+    import mmap
+    from types import SimpleNamespace
+
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from rollout import unlink_cpu_shared_memory
+
+    monkeypatch.setenv("VLLM_DIST_IDENT", "env://".split(":")[-1])       # what vLLM's CPU worker sets for env://
+    shared = object.__new__(_CPUSHMDistributed)                           # without joining a real group
+    shared.group_name = _CPUSHMDistributed.make_group_name(SimpleNamespace(unique_name=f"tp:{os.getpid()}",
+                                                                           ranks=[0, 1]))
+    names = [f"{shared.group_name}_{rank}" for rank in range(2)]
+    exclusive = os.O_CREAT | os.O_EXCL | os.O_RDWR
+
+    def create(name):
+        fd = _posixshmem.shm_open(name, exclusive, 0o600)
+        os.ftruncate(fd, mmap.PAGESIZE)
+        mapping = mmap.mmap(fd, mmap.PAGESIZE)
+        os.close(fd)
+        return mapping
+
+    mappings = [create(name) for name in names]
+    try:
+        mappings[1][0] = 7
+        with pytest.raises(FileExistsError):                             # errno 17: the failure seen in CI
+            create(names[0])
+        groups = [SimpleNamespace(device_communicator=SimpleNamespace(dist_module=shared, world_size=2)),
+                  SimpleNamespace(device_communicator=SimpleNamespace(dist_module=torch.distributed, world_size=2)),
+                  SimpleNamespace(device_communicator=None)]
+        unlink_cpu_shared_memory(groups)
+        assert mappings[1][0] == 7                                        # the segments outlive their names
+        for name in names:
+            create(name).close()                                          # the next run's exclusive create
+            _posixshmem.shm_unlink(name)
+        unlink_cpu_shared_memory(groups)                                  # already gone: nothing to do
+    finally:
+        for mapping in mappings:
+            mapping.close()
+        for name in names:
+            try:
+                _posixshmem.shm_unlink(name)
+            except FileNotFoundError:
+                pass
+
+
 def test_rollout_probs_diff_by_hand():
     rollout_p = torch.tensor([[0.5, 0.25], [0.9, 0.3]])
     actor_p = torch.tensor([[0.4, 0.25], [0.1, 0.6]])
