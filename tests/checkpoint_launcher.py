@@ -14,6 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import failures  # noqa: E402
 import minirl  # noqa: E402
 from config import load_config  # noqa: E402
 
@@ -51,4 +52,5 @@ def resumed_logprobs(batch_path, out_path, *overrides):
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    sys.exit({"nan": run_with_nan, "logprobs": resumed_logprobs}[mode](*args))
+    # skip Python's teardown, as minirl.train does: gloo's threads can abort it after a run that succeeded
+    failures.leave({"nan": run_with_nan, "logprobs": resumed_logprobs}[mode](*args))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import failures  # noqa: E402
 import losses  # noqa: E402
 import models  # noqa: E402
 from config import load_config  # noqa: E402
@@ -50,3 +51,5 @@ def main(out_path, *overrides):
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # skip Python's teardown, as minirl.train does: gloo's threads can abort it after a run that succeeded
+    failures.leave(0)
