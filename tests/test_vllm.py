@@ -328,6 +328,8 @@ def test_shared_memory_names_already_taken_are_named_with_the_fix(tiny_model_dir
             start_rollout()
     finally:
         _posixshmem.shm_unlink(stale)
+    with pytest.raises(ReportedError, match=re.escape("remove them (rm /dev/shm/*-cpushm_*)")):
+        start_rollout()                                                  # gone by the time the error is written
     monkeypatch.setattr(vllm, "LLM", vllm_start_failing_with("another failure"))
     with pytest.raises(RuntimeError, match="^another failure$"):        # any other error is vLLM's own
         start_rollout()
