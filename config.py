@@ -206,7 +206,7 @@ def parse_yaml(text, source):
             elif isinstance(token, _NEST_CLOSE):
                 depth -= 1
             elif isinstance(token, yaml.TagToken):
-                raise ConfigError(f"{source}: yaml tags ({''.join(token.value)}) are not accepted; "
+                raise ConfigError(f"{source}: yaml tags ({''.join(filter(None, token.value))}) are not accepted; "
                                   f"write a plain value (quote it to keep it a string)")
         tree = yaml.safe_load(text)
     except yaml.YAMLError as err:

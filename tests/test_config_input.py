@@ -22,6 +22,7 @@ def load(paths, *overrides):
     ("af_output_dir={{", r"override 'af_output_dir=\{\{' is not valid yaml: .* at line 1, column 3"),
     ("trainer.logger=!x 1", r"override 'trainer.logger=!x 1': yaml tags \(!x\) are not accepted"),
     ("data.train_batch_size=!!int abc", r"yaml tags \(!!int\) are not accepted"),
+    ("af_output_dir=!", r"override 'af_output_dir=!': yaml tags \(!\) are not accepted"),   # a bare '!' (fuzzing)
     ('data.prompt_key="unterminated', r"override 'data.prompt_key=\"unterminated' is not valid yaml"),
     ("data.prompt_key=]", r"override 'data.prompt_key=\]' is not valid yaml"),
     ("data.prompt_key=:", r"override 'data.prompt_key=:' is not valid yaml"),
