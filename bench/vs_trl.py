@@ -13,9 +13,9 @@ minirl runs under torchrun, TRL under `accelerate launch`, each with 1 and 2 pro
 and colocated-vLLM modes (minirl rollout.name=hf|vllm; TRL use_vllm=False|True with vllm_mode=colocate and its
 vLLM importance-sampling correction off, which minirl does not have; both vLLM engines in fp32, the checkpoint's
 dtype: pin_engine_dtype). Each process gets cores / processes torch threads on both sides (minirl's rule, set
-explicitly in TRL's processes). With 2 processes TRL's model is a whole copy in each (accelerate's DDP), so
-minirl keeps each layer's gathered parameters from forward to backward too (verl's
-fsdp_config.reshard_after_forward=false, actor and reference): the same memory, fewer all-gathers.
+explicitly in TRL's processes). With 2 processes TRL's model is a whole copy in each (accelerate's DDP), so minirl
+keeps each layer's gathered parameters from forward to backward too (verl's fsdp_config.reshard_after_forward=false,
+actor and reference): the same memory, fewer all-gathers.
 
 The modes run one after the other (all of HF generate's runs, then vLLM's). Within a mode runs alternate, --rounds
 times per layout, the sides swapping who goes first each round (minirl, TRL, TRL, minirl, ...), so a change in the
@@ -199,7 +199,9 @@ def trl_worker(args):
     if config.use_vllm:
         engine_dtype = trainer.vllm_generation.llm.llm_engine.model_config.dtype
         if engine_dtype != getattr(torch, ROLLOUT_DTYPE):
-            raise RuntimeError(f"TRL's vLLM engine runs {engine_dtype}, not the workload's {ROLLOUT_DTYPE}")
+            raise RuntimeError(f"TRL's vLLM engine runs {engine_dtype}, not the workload's {ROLLOUT_DTYPE}: this TRL "
+                               f"no longer builds it through trl.generation.vllm_generation.LLM; make pin_engine_dtype "
+                               f"reach the call that does")
         sync_through_reload_weights(trainer.vllm_generation)
     clock = PhaseClock()
     clock.wrap(trainer, "_generate", "gen")
