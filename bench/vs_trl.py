@@ -19,7 +19,8 @@ actor and reference): the same memory, fewer all-gathers.
 
 The modes run one after the other (all of HF generate's runs, then vLLM's). Within a mode runs alternate, --rounds
 times per layout, the sides swapping who goes first each round (minirl, TRL, TRL, minirl, ...), so a change in the
-shared machine's load, and whatever a run leaves behind for the next, hits both. Each run does --steps optimizer
+shared machine's load, and whatever a run leaves behind for the next, hits both; before them each side makes
+--warmup-runs untimed runs (a mode's first run was sometimes slower than the rest). Each run does --steps optimizer
 steps; the first --warmup are dropped (allocators, vLLM's first compile). Per step: seconds, generated tokens (from
 each side's own response-length mean x responses) and phases: gen (rollout, with the weight sync), logprob (the
 no-grad ref / old log-prob passes), update (the actor's forward+backward and optimizer step), other (reward,
@@ -44,7 +45,7 @@ built without a dtype, would run in bf16 (pin_engine_dtype).
 
 Usage: .venv/bin/python bench/vs_trl.py --setup
        .venv/bin/python bench/vs_trl.py [--prompts add|gsm8k] [--quick] [--modes hf vllm] [--procs 1 2] [--rounds 2]
-                                        [--steps 3] [--micro N] [--busy N]
+                                        [--steps 3] [--warmup-runs 1] [--micro N] [--busy N]
 """
 import argparse
 import contextlib
@@ -381,6 +382,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="alternations of minirl and TRL runs per mode and layout")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="steps dropped at the start of each run")
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="untimed runs of each side before each mode's rounds (default 1): the first run of a "
+                        "mode was seen to pay a cost of its own, and it would always be minirl's")
     parser.add_argument("--timeout", type=int, default=900, help="seconds before a run is killed")
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="N busy-loop processes beside every run: a loaded host (default 0)")
@@ -402,6 +406,8 @@ def main():
         sys.exit(f"{TRL_VENV} has no TRL: run `{sys.executable} {__file__} --setup` first")
     if args.busy < 0:
         parser.error(f"--busy {args.busy}: the number of busy-loop processes must be 0 or more")
+    if args.warmup_runs < 0:
+        parser.error(f"--warmup-runs {args.warmup_runs}: the number of untimed runs must be 0 or more")
     w = dict(QUICK if args.quick else FULL, prompt_set=args.prompts)
     if args.micro:
         w["micro"] = args.micro
@@ -421,6 +427,20 @@ def main():
         run_rounds(args, work, w)
 
 
+def warm_up(args, work, w, mode):
+    """--warmup-runs untimed runs of each side and layout before a mode's rounds, --warmup + 1 steps each. The first
+    run after a while away from a mode sometimes ran slower than the rest (2026-12-06, vLLM, 0.84-1.21 s of
+    generation a step against 0.67-0.82 s; not pinned down), and without these that run would always be minirl's."""
+    for _ in range(args.warmup_runs):
+        print(f"{mode}, warm-up (untimed)", flush=True)
+        for procs in args.procs:
+            for side in args.sides:
+                try:
+                    run(side, work, work / "runs", mode, procs, args.warmup + 1, w, args.timeout)
+                except RuntimeError as error:          # reported; the timed runs decide whether the side works
+                    print(f"  {error}", flush=True)
+
+
 def run_rounds(args, work, w):
     """Every run of the invocation, in the order below; the tables after each round."""
     results = {}
@@ -428,6 +448,7 @@ def run_rounds(args, work, w):
     # a vLLM run frees as it exits), so mixing the modes taxed whichever side came first after a vLLM run. Within a
     # mode the sides swap their order every round (minirl, TRL, TRL, minirl, ...): "the run after the other" hits both.
     for mode in args.modes:
+        warm_up(args, work, w, mode)
         for round_index in range(args.rounds):
             print(f"{mode}, round {round_index + 1}", flush=True)
             for procs in args.procs:

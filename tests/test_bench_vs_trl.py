@@ -84,22 +84,28 @@ def test_a_micro_batch_that_does_not_divide_a_process_share_is_refused(tmp_path,
 
 def test_runs_finish_one_mode_before_the_next_and_swap_which_side_goes_first(tmp_path, monkeypatch):
     """An HF run right after a vLLM run was measured slower, so the order is every HF run, then every vLLM run;
-    within a mode the sides swap who goes first each round. Only the order is checked: no run starts."""
+    within a mode an untimed warm-up run of each side (--warmup + 1 steps) comes first, then the sides swap who goes
+    first each round. Only the order is checked: no run starts."""
     calls = []
 
     def fake_run(side, work, root, mode, procs, steps, w, timeout):
-        calls.append((mode, side))
-        return [{"step_s": 1.0, "tokens": 100, **{p: 0.25 for p in vs_trl.PHASES}}] * steps
+        calls.append((mode, side, steps))
+        return [{"step_s": 1.0 + len(calls), "tokens": 100, **{p: 0.25 for p in vs_trl.PHASES}}] * steps
 
     (tmp_path / "trl-venv" / "lib" / "python3" / "site-packages" / "trl").mkdir(parents=True)
     monkeypatch.setattr(vs_trl, "TRL_VENV", tmp_path / "trl-venv")
     monkeypatch.setattr(vs_trl, "build_assets", lambda work, prompt_set: None)
     monkeypatch.setattr(vs_trl, "run", fake_run)
-    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--procs", "2", "--rounds", "3", "--work", str(tmp_path / "work")])
+    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--procs", "2", "--rounds", "3", "--steps", "4", "--warmup", "2",
+                                     "--work", str(tmp_path / "work")])
     vs_trl.main()
-    assert calls == [("hf", "minirl"), ("hf", "trl"), ("hf", "trl"), ("hf", "minirl"), ("hf", "minirl"), ("hf", "trl"),
-                     ("vllm", "minirl"), ("vllm", "trl"), ("vllm", "trl"), ("vllm", "minirl"),
-                     ("vllm", "minirl"), ("vllm", "trl")]
+    timed = ["minirl", "trl", "trl", "minirl", "minirl", "trl"]
+    assert calls == [(mode, side, steps) for mode in ("hf", "vllm")
+                     for side, steps in [("minirl", 3), ("trl", 3)] + [(side, 4) for side in timed]]
+    # each run's steps carry its call number: the warm-up runs' (calls 1-2 and 9-10) are in no table
+    results = vs_trl.load_results(tmp_path / "work" / "results.json")
+    timed_steps = [r["step_s"] - 1 for records in results.values() for r in records]
+    assert len(timed_steps) == 2 * 6 * (4 - 2) and set(timed_steps) == set(range(3, 9)) | set(range(11, 17))
 
 
 def busy_children():
@@ -124,5 +130,5 @@ def test_busy_loops_run_beside_every_run_and_stop_with_the_bench(tmp_path, monke
                                      "--work", str(tmp_path / "work")])
     assert busy_children() == []
     vs_trl.main()
-    assert seen == [2, 2]                                    # minirl's run and TRL's
+    assert seen == [2, 2, 2, 2]                              # minirl's and TRL's warm-up runs, then their timed ones
     assert busy_children() == []
