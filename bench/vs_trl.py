@@ -427,6 +427,15 @@ def main():
         run_rounds(args, work, w)
 
 
+def run_or_report(side, work, mode, procs, steps, w, timeout):
+    """run() in work/runs, a failure printed instead of raised (None then): the other runs still count."""
+    try:
+        return run(side, work, work / "runs", mode, procs, steps, w, timeout)
+    except RuntimeError as error:
+        print(f"  {error}", flush=True)
+        return None
+
+
 def warm_up(args, work, w, mode):
     """--warmup-runs untimed runs of each side and layout before a mode's rounds, --warmup + 1 steps each. The first
     run after a while away from a mode sometimes ran slower than the rest (2026-12-06, vLLM, 0.84-1.21 s of
@@ -435,10 +444,7 @@ def warm_up(args, work, w, mode):
         print(f"{mode}, warm-up (untimed)", flush=True)
         for procs in args.procs:
             for side in args.sides:
-                try:
-                    run(side, work, work / "runs", mode, procs, args.warmup + 1, w, args.timeout)
-                except RuntimeError as error:          # reported; the timed runs decide whether the side works
-                    print(f"  {error}", flush=True)
+                run_or_report(side, work, mode, procs, args.warmup + 1, w, args.timeout)
 
 
 def run_rounds(args, work, w):
@@ -453,10 +459,8 @@ def run_rounds(args, work, w):
             print(f"{mode}, round {round_index + 1}", flush=True)
             for procs in args.procs:
                 for side in args.sides if round_index % 2 == 0 else args.sides[::-1]:
-                    try:
-                        records = run(side, work, work / "runs", mode, procs, args.steps, w, args.timeout)
-                    except RuntimeError as error:          # a failed run is reported; the others still count
-                        print(f"  {error}", flush=True)
+                    records = run_or_report(side, work, mode, procs, args.steps, w, args.timeout)
+                    if records is None:
                         continue
                     results.setdefault((side, mode, procs), []).extend(records[args.warmup:])
                     save_results(results, work / "results.json")

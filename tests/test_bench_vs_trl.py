@@ -82,6 +82,16 @@ def test_a_micro_batch_that_does_not_divide_a_process_share_is_refused(tmp_path,
     assert not (tmp_path / "work").exists()                  # refused before anything was built
 
 
+def test_a_negative_number_of_warm_up_runs_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["vs_trl.py", "--sides", "minirl", "--warmup-runs", "-1",
+                                     "--work", str(tmp_path / "work")])
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.main()
+    assert stop.value.code == 2
+    assert "--warmup-runs -1: the number of untimed runs must be 0 or more" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
+
+
 def test_runs_finish_one_mode_before_the_next_and_swap_which_side_goes_first(tmp_path, monkeypatch):
     """An HF run right after a vLLM run was measured slower, so the order is every HF run, then every vLLM run;
     within a mode an untimed warm-up run of each side (--warmup + 1 steps) comes first, then the sides swap who goes
