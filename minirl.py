@@ -470,11 +470,12 @@ class Trainer:
 
 
 def update_is_on_policy(cfg, global_step):
-    """Whether the actor's update provably starts from the weights that sampled and takes no optimizer step
-    before its last forward, so its own log-probs (detached) are the old log-probs and their separate pass can be
-    skipped: one PPO epoch, the whole batch as one mini-batch, the actor updating this step (critic_warmup), and
-    no KL in the reward (that needs the old log-probs before the update). verl recomputes them always; the
-    result is the same up to fp32 rounding (tests/test_trainer.py)."""
+    """Whether the actor's update provably takes no optimizer step before its last forward, so its own log-probs
+    (detached) are the old log-probs (the actor's before this update, which verl recomputes) and their separate
+    pass can be skipped: one PPO epoch, the whole batch as one mini-batch, the actor updating this step
+    (critic_warmup), and no KL in the reward (that needs the old log-probs before the update). Colocated, those
+    are also the weights that sampled; on split devices the sampling weights are one update older either way.
+    verl recomputes always; the result is the same up to fp32 rounding (tests/test_trainer.py)."""
     actor = cfg.actor_rollout_ref.actor
     return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
             and global_step >= cfg.trainer.critic_warmup and not cfg.algorithm.use_kl_in_reward)

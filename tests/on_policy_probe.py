@@ -1,5 +1,5 @@
-"""Train a few steps through the real Trainer, with or without the skipped old-log-prob pass (for
-tests/test_trainer.py):
+"""Train a few steps through minirl.train, with or without the skipped old-log-prob pass (for
+tests/test_trainer.py and tests/test_offpolicy.py):
 
     torchrun --nproc_per_node W tests/on_policy_probe.py skip|recompute key=value ...
 
@@ -21,12 +21,9 @@ def main(mode, *overrides):
     if mode == "recompute":
         minirl.update_is_on_policy = lambda cfg, global_step: False
     cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml", list(overrides))
-    trainer = minirl.Trainer(cfg)
-    trainer.fit()
-    trainer.close()
+    return minirl.train(cfg)          # colocated, or on split devices the trainer and the rollout ranks
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
-    # skip Python's teardown, as minirl.train does: gloo's threads can abort it after a run that succeeded
-    failures.leave(0)
+    # skip Python's teardown, as minirl.train does with several ranks: gloo's threads can abort it
+    failures.leave(main(*sys.argv[1:]))

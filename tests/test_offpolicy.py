@@ -105,6 +105,31 @@ def test_the_update_on_a_stale_batch_equals_a_colocated_update_on_it(recorded, d
     assert strip == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows_of(out)]
 
 
+def test_skipping_the_old_log_prob_pass_on_stale_batches_changes_no_metric(demo_dir, data_file, tmp_path):
+    """One epoch and one mini-batch a step on split devices: the batch was sampled one update ago, but the old
+    log-probs are the actor's before this update either way, so the update's own stand in for them
+    (minirl.update_is_on_policy) and the run logs the same metrics as one that recomputes them in a separate pass
+    (tests/on_policy_probe.py), minus that pass's timing."""
+    rows = {}
+    for mode in ("skip", "recompute"):
+        out = tmp_path / mode
+        torchrun(2, "tests/on_policy_probe.py", mode, *overrides(
+            demo_dir, data_file, out, *SPLIT_1_1, "actor_rollout_ref.actor.ppo_mini_batch_size=4", steps=3),
+                 timeout=400)
+        rows[mode] = rows_of(out)
+    assert [r["step"] for r in rows["skip"]] == [r["step"] for r in rows["recompute"]] == [1, 2, 3]
+    timing = ("timing_s/", "timing_per_token_ms/", "perf/")
+    for skip, recompute in zip(rows["skip"], rows["recompute"]):
+        assert "timing_s/old_log_prob" in recompute and "timing_s/old_log_prob" not in skip
+        compared = sorted(k for k in recompute if not k.startswith(timing))
+        assert sorted(k for k in skip if not k.startswith(timing)) == compared
+        for key in compared:
+            assert skip[key] == pytest.approx(recompute[key], rel=1e-5, abs=1e-6), key
+        # the ratio starts at 1 against the actor's log-probs before the update, stale batch or not
+        assert abs(recompute["actor/ppo_kl"]) < 1e-6 and skip["actor/ppo_kl"] == 0.0
+    assert all("timing_s/wait_prev_gen" in r and r["actor/grad_norm"] > 0 for r in rows["skip"])    # the pipeline ran
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2 + 1 with both engines
 
