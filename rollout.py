@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import random
 import tempfile
@@ -249,6 +250,7 @@ class VLLMRollout:
         if device.type == "cpu":
             unlink_cpu_shared_memory(vllm_process_groups())
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        quiet_reload_warnings_of_buffer_only_layers(self.worker.model_runner.get_model())
         self.base_loaded = not rollout.load_format.startswith("dummy")
         self.adapter_dir = Path(cfg.af_output_dir, "vllm", f"adapter_rank{rank}")
         self.lora_request = None                      # the adapter generation runs with (LoRA only)
@@ -406,6 +408,24 @@ def use_vllm_in_process(run_dir):
 def fits_socket_paths(folder):
     """Whether vLLM's IPC socket paths in `folder` (the folder, '/', a uuid4) fit a Unix socket address."""
     return len(os.fsencode(folder)) + 1 + 36 <= UNIX_SOCKET_PATH_MAX
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_MISSED = "%s: Failed to load weights"          # vLLM 0.32's message, with the layer's class name
+
+
+def quiet_reload_warnings_of_buffer_only_layers(model):
+    """vLLM's weight reload (`sync_weights`) warns "<Layer>: Failed to load weights" at every sync for each layer
+    that holds buffers but no parameters (the rotary tables, Qwen2.5-VL's image normalisation): no checkpoint
+    weight is meant for them, and vLLM puts their tensors back as they were. Those lines are dropped, so a user
+    does not read a broken sync into them every step; a layer with parameters that no sync reached still warns
+    (and training/rollout_probs_diff_* shows what it did to the samples)."""
+    with_parameters = {type(m).__name__ for m in model.modules() if any(p is not None for p in m._parameters.values())}
+    buffer_only = {type(m).__name__ for m in model.modules() if m._buffers} - with_parameters
+
+    def keep(record):
+        return not (record.msg == RELOAD_MISSED and record.args and record.args[0] in buffer_only)
+    logging.getLogger(RELOAD_LOGGER).addFilter(keep)
 
 
 def vllm_engine_kwargs(cfg, device):

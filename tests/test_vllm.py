@@ -6,6 +6,7 @@ clear errors raised before vLLM starts.
 """
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import uuid
 import pytest
 import torch
 
+import rollout
 from config import ConfigError, load_config
 from launch import ROOT, assert_resumed, torchrun
 from rollout import (VLLMRollout, passthrough_engine_kwargs, rollout_probs_diff, use_vllm_in_process,
@@ -125,7 +127,8 @@ def train_with_vllm(demo_dir, out, tp, *extra):
 def vllm_run(request, demo_dir, tmp_path_factory):
     tp = request.param
     out = tmp_path_factory.mktemp(f"vllm_e2e_tp{tp}")
-    return {"dir": out, "tp": tp, "rows": train_with_vllm(demo_dir, out, tp)[0]}
+    rows, run = train_with_vllm(demo_dir, out, tp)
+    return {"dir": out, "tp": tp, "rows": rows, "log": run.stdout + run.stderr}
 
 
 @needs_vllm
@@ -145,6 +148,42 @@ def test_rollout_log_probs_match_the_actor_every_step(vllm_run):
     for row in vllm_run["rows"][1:]:
         assert 0 <= row["training/rollout_probs_diff_mean"] <= row["training/rollout_probs_diff_max"] < 1e-4
         assert row["training/rollout_probs_diff_std"] >= 0
+
+
+@needs_vllm
+def test_weight_syncs_do_not_warn_of_layers_no_weight_is_meant_for(vllm_run):
+    """vLLM's reload warns "RotaryEmbedding: Failed to load weights" at each sync (a layer of buffers only, put
+    back as it was); minirl drops those lines, and the samples still follow the synced weights (the test above)."""
+    assert "Failed to load weights" not in vllm_run["log"]
+
+
+def test_reload_warnings_are_dropped_for_buffer_only_layers_only(caplog):
+    """The filter drops vLLM's warning for a layer class whose instances hold only buffers, and keeps it for a
+    class with parameters, whose missing weights would be a real failure."""
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4), persistent=False)
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+            self.register_buffer("scale", torch.ones(1))
+
+    model = torch.nn.Sequential(Rotary(), Linear())
+    logger = logging.getLogger(rollout.RELOAD_LOGGER)
+    before = list(logger.filters)
+    try:
+        rollout.quiet_reload_warnings_of_buffer_only_layers(model)
+        with caplog.at_level(logging.WARNING, logger=rollout.RELOAD_LOGGER):
+            for name in ("Rotary", "Linear"):
+                logger.warning(rollout.RELOAD_MISSED, name)
+            logger.warning("%s: Allocating extra memory", "Rotary")
+    finally:
+        logger.filters[:] = before
+    assert [r.getMessage() for r in caplog.records] == ["Linear: Failed to load weights",
+                                                        "Rotary: Allocating extra memory"]
 
 
 @needs_vllm
