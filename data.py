@@ -529,16 +529,25 @@ COMMANDS = {
 }
 
 
+# the names verl's examples/data_preprocess scripts give the same folders (v0.5.0 and later), so their command
+# lines work here with the script swapped for `python data.py gsm8k|geo3k`
+VERL_FLAGS = {"--input": ("--local_dataset_path",), "--out": ("--local_save_dir", "--local_dir")}
+
+
+def folder(text):
+    return str(Path(text).expanduser())    # verl's scripts expand ~ themselves: `--local_dir=~/data/gsm8k` works
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         subparser = subparsers.add_parser(name, help=command.help)
         for flag, option_help in command.options:
-            subparser.add_argument(flag, required=True, help=option_help)
+            subparser.add_argument(flag, *VERL_FLAGS.get(flag, ()), required=True, type=folder, help=option_help)
         for flag, flag_help in command.flags:
             subparser.add_argument(flag, action="store_true", help=flag_help)
-        subparser.add_argument("--out", required=True, help=command.out)
+        subparser.add_argument("--out", *VERL_FLAGS["--out"], required=True, type=folder, help=command.out)
     args = parser.parse_args(argv)
     COMMANDS[args.command].run(args)
 

@@ -348,6 +348,21 @@ def test_gsm8k_command_writes_the_preprocessed_splits(gsm8k_dir, tmp_path):
     assert missing.returncode == 2 and "the following arguments are required: --input" in missing.stderr
 
 
+def test_gsm8k_command_takes_verls_flag_names(gsm8k_dir, tmp_path, monkeypatch):
+    """verl's examples/data_preprocess/gsm8k.py line (--local_dataset_path, --local_save_dir or the older
+    --local_dir, `~` expanded by the script) writes what --input/--out write."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for flag in ("--local_save_dir", "--local_dir"):
+        out = subprocess.run([sys.executable, str(REPO / "data.py"), "gsm8k", f"--local_dataset_path={gsm8k_dir}",
+                              f"{flag}=~/data/{flag}"], capture_output=True, text=True, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+    preprocess_gsm8k(gsm8k_dir, tmp_path / "lib")
+    for split in ("train", "test"):
+        expected = pq.read_table(tmp_path / "lib" / f"{split}.parquet")
+        for flag in ("--local_save_dir", "--local_dir"):
+            assert pq.read_table(tmp_path / "data" / flag / f"{split}.parquet").equals(expected)
+
+
 def test_the_dataset_code_needs_neither_rewards_nor_the_demo():
     """data.py is imported by the trainer; the demo's tiny models and the reward functions are not its business."""
     code = "import sys, data; print(sorted({'rewards', 'demo'} & set(sys.modules)))"
