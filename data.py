@@ -35,7 +35,9 @@ from torch.utils.data import RandomSampler
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column, whose name is configurable
+# besides the prompt column (data.prompt_key): what each holds, for the error when one is missing
+REQUIRED_COLUMNS = {"data_source": "the dataset's name, which picks the reward function",
+                    "reward_model": "a {'ground_truth': ...} struct per row, the answer the reward checks"}
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # verl examples/data_preprocess/gsm8k_multiturn_w_tool.py: backticks, and a system prompt naming the tool
@@ -134,9 +136,10 @@ class RLHFDataset:
                              f"damaged, unreadable or not a parquet file: re-create or re-download it") from err
         for column in (self.prompt_key, *REQUIRED_COLUMNS):
             if column not in table.column_names:
-                raise ValueError(f"{path}: column {column!r} is missing (columns: {table.column_names}); "
-                                 f"preprocess the data into verl format (see `python data.py gsm8k`) or set "
-                                 f"data.prompt_key to the column holding the chat messages")
+                verl_format = "preprocess the data into verl format (see `python data.py gsm8k`)"
+                fix = (f"add it ({REQUIRED_COLUMNS[column]}) or {verl_format}" if column in REQUIRED_COLUMNS
+                       else f"{verl_format} or set data.prompt_key to the column holding the chat messages")
+                raise ValueError(f"{path}: column {column!r} is missing (columns: {table.column_names}); {fix}")
         for row_number, row in enumerate(rows):
             self._check_row(row, path, row_number)
             row["_folder"] = path.parent          # image paths in the row are relative to its parquet

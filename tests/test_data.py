@@ -162,9 +162,10 @@ def test_custom_chat_template_overrides_the_tokenizers(tokenizer, tmp_path):
 
 def test_missing_column_is_named(tokenizer, tmp_path):
     path = write_rows(tmp_path / "no_rm.parquet", ["1"], reward_model=None)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: column 'reward_model' is missing"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: column 'reward_model' is missing .*; add it "
+                                         r"\(a \{'ground_truth': \.\.\.\} struct per row"):
         RLHFDataset(path, tokenizer, max_prompt_length=32)
-    with pytest.raises(ValueError, match="column 'messages' is missing"):
+    with pytest.raises(ValueError, match="column 'messages' is missing .* or set data.prompt_key to the column"):
         RLHFDataset(write_rows(tmp_path / "ok.parquet", ["1"]), tokenizer, max_prompt_length=32,
                     prompt_key="messages")
 
