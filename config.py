@@ -402,9 +402,38 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
     cfg = Config.wrap(tree)
     check_types(cfg)
     check_ranges(cfg)
+    expand_home(cfg)
     derive(cfg)
     validate(cfg, world_size=world_size or int(os.environ.get("WORLD_SIZE", "0")) or None, check_paths=check_paths)
     return cfg
+
+
+# The keys that name a local file or folder. A leading ~ in them is the user's home, as in a shell and in verl's
+# own defaults (data.train_files: ~/data/rlhf/gsm8k/train.parquet), expanded once here so that every reader (the
+# checks, the dataset, from_pretrained, the checkpoint folders) sees the same path; `key=~/x` on a command line
+# reaches minirl unexpanded, since the shell expands ~ only at the start of a word.
+LOCAL_PATH_KEYS = ("af_output_dir", "data.tokenizer", "data.train_files", "data.val_files",
+                   "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                   "critic.model.path", "critic.model.tokenizer_path", "reward_model.model.path",
+                   "reward_model.model.input_tokenizer", "custom_reward_function.path", "trainer.rollout_data_dir",
+                   "trainer.validation_data_dir", "trainer.resume_from_path", "trainer.default_local_dir",
+                   "trainer.hdfs_cache_dir")
+
+
+def expand_home(cfg):
+    def expanded(path):
+        return os.path.expanduser(path) if path.startswith("~") else path
+
+    for dotted in LOCAL_PATH_KEYS:
+        *parents, leaf = dotted.split(".")
+        section = cfg
+        for name in parents:
+            section = section[name]
+        value = section[leaf]
+        if isinstance(value, str):
+            section[leaf] = expanded(value)
+        elif isinstance(value, list):
+            section[leaf] = [expanded(item) for item in value]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -643,7 +672,7 @@ def _check_paths(cfg):
         for item in ([value] if isinstance(value, str) else value):
             if item.startswith("hdfs://"):
                 continue
-            path = Path(item).expanduser()
+            path = Path(item)
             try:
                 found, right_kind = path.exists(), path.is_dir() if folder else path.is_file() or path.is_dir()
             except OSError as err:       # e.g. a name longer than the file system allows

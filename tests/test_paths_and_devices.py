@@ -48,6 +48,43 @@ def test_local_paths_pass_through(tmp_path):
     assert local_path("/data/train.parquet", tmp_path) == "/data/train.parquet"
 
 
+def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, monkeypatch):
+    """`data.train_files=~/x` on a command line reaches minirl unexpanded (a shell expands ~ only at the start of a
+    word), and verl's own defaults are written so: every key that names a local path gets the home folder, once,
+    so the path checks and every reader (dataset, from_pretrained, checkpoints) see the same path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from config import LOCAL_PATH_KEYS
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "ckpt" / "global_step_1").mkdir(parents=True)
+    (tmp_path / "reward.py").write_text("def compute_score(*args, **kwargs):\n    return 0.0\n")
+    for name in ("train.parquet", "test.parquet"):
+        pq.write_table(pa.table({"data_source": ["x"] * 16}), tmp_path / name)
+    homed = {"af_output_dir": "~/out", "data.tokenizer": "~/model", "data.train_files": ["~/train.parquet"],
+             "data.val_files": "~/test.parquet", "actor_rollout_ref.model.path": "~/model",
+             "actor_rollout_ref.rollout.multi_turn.tool_config_path": "~/tools.yaml", "critic.model.path": "~/model",
+             "critic.model.tokenizer_path": "~/model", "reward_model.model.path": "~/model",
+             "reward_model.model.input_tokenizer": "~/model", "custom_reward_function.path": "~/reward.py",
+             "trainer.rollout_data_dir": "~/dumps", "trainer.validation_data_dir": "~/val_dumps",
+             "trainer.resume_from_path": "~/ckpt/global_step_1", "trainer.default_local_dir": "~/ckpts",
+             "trainer.hdfs_cache_dir": "~/hdfs_cache"}
+    assert sorted(homed) == sorted(LOCAL_PATH_KEYS)
+    overrides = [f"{key}=[{value[0]}]" if isinstance(value, list) else f"{key}={value}" for key, value in homed.items()]
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml",
+                      [*overrides, "trainer.resume_mode=resume_path", "data.train_batch_size=8",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae",
+                       "reward_model.enable=true"])
+    for key, value in homed.items():
+        section = cfg
+        for name in key.split("."):
+            section = section[name]
+        home = str(tmp_path)
+        assert section == ([item.replace("~", home, 1) for item in value] if isinstance(value, list)
+                           else value.replace("~", home, 1)), key
+
+
 def has_libhdfs():
     try:
         pafs.FileSystem.from_uri("hdfs://namenode:9000/x")
