@@ -48,11 +48,13 @@ import random
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 import vision
 from config import get_dotted
@@ -201,7 +203,8 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
     staging = root / f"global_step_{step}.incomplete"
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        with writing_into(staging):
+            staging.mkdir(parents=True)
     _barrier()
     manifest_roles = {}
     for name, role in roles.items():
@@ -209,16 +212,18 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
         manifest_roles[name] = {"contents": contents, "params": param_layout(role.model)}
         _save_role(staging / name, role, contents, tokenizer, rank, world_size)
     if rank == 0:
-        torch.save(loader.state_dict(), staging / "data.pt")
         trainer_state = {"global_step": step, "metrics": metrics,
                          "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
-        (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        with writing_into(staging):
+            torch.save(loader.state_dict(), staging / "data.pt")
+            (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     _barrier()
     digests = _gather_digests(staging, rank, world_size)
     if rank == 0:
-        _write_manifest(staging, step, world_size, manifest_roles, digests)
-        _replace(staging, final)
-        _write_atomically(root / TRACKER, str(step))
+        with writing_into(staging):
+            _write_manifest(staging, step, world_size, manifest_roles, digests)
+            _replace(staging, final)
+            _write_atomically(root / TRACKER, str(step))
         prune(root, _keep(cfg, roles))
     _barrier()
     _log(f"saved {final}")
@@ -226,30 +231,56 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
 
 
 def _save_role(folder, role, contents, tokenizer, rank, world_size):
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(_model_shard(role.model), folder / _shard_file("model", world_size, rank))
-    if "optimizer" in contents:
-        torch.save(_optimizer_shard(role.optimizer), folder / _shard_file("optim", world_size, rank))
-    if "extra" in contents:
-        extra = {"lr_scheduler": role.scheduler.state_dict(), "rng": rng_state(),
-                 "counters": role.checkpoint_counters()}
-        torch.save(extra, folder / _shard_file("extra_state", world_size, rank))
+    with writing_into(folder.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(_model_shard(role.model), folder / _shard_file("model", world_size, rank))
+        if "optimizer" in contents:
+            torch.save(_optimizer_shard(role.optimizer), folder / _shard_file("optim", world_size, rank))
+        if "extra" in contents:
+            extra = {"lr_scheduler": role.scheduler.state_dict(), "rng": rng_state(),
+                     "counters": role.checkpoint_counters()}
+            torch.save(extra, folder / _shard_file("extra_state", world_size, rank))
     weights = None
     if "hf_model" in contents:
         from models import full_state_dict_items           # a collective: every rank gathers every tensor
         weights = {name: tensor.cpu() for name, tensor in full_state_dict_items(role.model)}
     adapter = role.adapter() if getattr(role, "lora", False) else None       # a collective too
     if rank == 0:
-        (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}))
-        hf_dir = folder / "huggingface"
-        role.model.config.save_pretrained(hf_dir)
-        if getattr(role.model, "generation_config", None) is not None:
-            role.model.generation_config.save_pretrained(hf_dir)
-        tokenizer.save_pretrained(hf_dir)
-        if adapter is not None:
-            adapter.save(folder / LORA_DIR)
-        if weights is not None:
-            write_hf_weights(weights, hf_dir, adapter_folder=folder / LORA_DIR if adapter is not None else None)
+        with writing_into(folder.parent):
+            (folder / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}))
+            hf_dir = folder / "huggingface"
+            role.model.config.save_pretrained(hf_dir)
+            if getattr(role.model, "generation_config", None) is not None:
+                role.model.generation_config.save_pretrained(hf_dir)
+            tokenizer.save_pretrained(hf_dir)
+            if adapter is not None:
+                adapter.save(folder / LORA_DIR)
+            if weights is not None:
+                write_hf_weights(weights, hf_dir, adapter_folder=folder / LORA_DIR if adapter is not None else None)
+
+
+SAVE_FIX = ("Free space, point trainer.default_local_dir at a larger disk or keep fewer checkpoints "
+            "(trainer.max_actor_ckpt_to_keep); the checkpoints saved before are intact")
+
+
+@contextmanager
+def writing_into(staging, fix=SAVE_FIX):
+    """The file writes of a save (or an export). One that fails (a full disk, a quota, a lost mount; torch.save
+    reports these as a RuntimeError such as "unexpected pos" or "iostream error", safetensors as its own
+    SafetensorError) becomes a CheckpointError that names the folder, the space now left on its file system and
+    `fix`. Nothing was renamed into place yet; the next save removes a save's staging folder."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, SafetensorError) as err:
+        try:
+            usage = shutil.disk_usage(staging.parent)
+            space = f"; that file system now has {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+        except OSError:
+            space = ""
+        detail = (str(err).strip().splitlines() or [""])[-1][:200]
+        raise CheckpointError(f"writing {staging} failed ({type(err).__name__}: {detail}){space}. {fix}") from err
 
 
 def file_digest(path):
@@ -619,18 +650,23 @@ def export_hf(ckpt, out, merge_adapter=False):
                               f"earlier export's files, e.g. merged weights beside an adapter, would mix with these)")
     staging = out.with_name(out.name + ".incomplete")        # renamed into place when complete
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    if adapter_dir.is_dir() and not merge_adapter:
-        import lora
-        lora.export_adapter(adapter_dir, hf_dir, staging)
-        what = f"the LoRA adapter of {ckpt / role}"
-    else:
-        weights = consolidate(ckpt, role)
-        for item in hf_dir.iterdir():        # config, generation config, tokenizer (weights are rewritten below)
-            if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
-                shutil.copy2(item, staging / item.name)
-        write_hf_weights(weights, staging, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
-        what = str(ckpt / role)
-    os.replace(staging, out)
+    export_only = adapter_dir.is_dir() and not merge_adapter
+    weights = None if export_only else consolidate(ckpt, role)
+    try:
+        with writing_into(staging, fix="Free space or export to a larger disk"):
+            staging.mkdir(parents=True)
+            if export_only:
+                import lora
+                lora.export_adapter(adapter_dir, hf_dir, staging)
+            else:
+                for item in hf_dir.iterdir():    # config, generation config, tokenizer (weights are rewritten below)
+                    if item.is_file() and item.suffix != ".safetensors" and item.name != "model.safetensors.index.json":
+                        shutil.copy2(item, staging / item.name)
+                write_hf_weights(weights, staging, adapter_folder=adapter_dir if adapter_dir.is_dir() else None)
+            os.replace(staging, out)
+    except CheckpointError:
+        shutil.rmtree(staging, ignore_errors=True)       # the space a half-written export took goes back
+        raise
+    what = f"the LoRA adapter of {ckpt / role}" if export_only else str(ckpt / role)
     print(f"exported {what} to {out}")
     return out

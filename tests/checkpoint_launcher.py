@@ -1,12 +1,17 @@
-"""Launch minirl for tests/test_checkpoint.py under torchrun, in one of two test-only ways:
+"""Launch minirl for tests/test_checkpoint.py under torchrun, in one of three test-only ways:
 
     torchrun --nproc_per_node 2 tests/checkpoint_launcher.py nan FROM_STEP key=value ...
         a normal training run, except that from global step FROM_STEP on every log-prob of the PPO update is NaN
         (so the loss and the gradient norm are NaN); exits with minirl's exit code
+    torchrun --nproc_per_node 2 tests/checkpoint_launcher.py small-files FROM_STEP key=value ...
+        a normal training run, except that from global step FROM_STEP on no file may grow past 32 KiB (RLIMIT_FSIZE:
+        a write past it fails with EFBIG, as a write to a full disk fails with ENOSPC); exits with minirl's exit code
     torchrun --nproc_per_node 2 tests/checkpoint_launcher.py logprobs BATCH.pt OUT.pt key=value ...
         build the Trainer (pass trainer.resume_mode=resume_path and trainer.resume_from_path=...) and write the
         FSDP actor's log-probs of BATCH (temperature 1), the global step, the loader state and the LR to OUT
 """
+import resource
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +43,19 @@ def run_with_nan(from_step, *overrides):
     return minirl.main(["--config", str(ROOT / "config.yaml"), *overrides])
 
 
+def run_with_small_files(from_step, *overrides):
+    train_step = minirl.Trainer.train_step
+
+    def limited_train_step(self, prompts):
+        if self.global_step >= int(from_step):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # the write fails instead of killing the process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        return train_step(self, prompts)
+
+    minirl.Trainer.train_step = limited_train_step
+    return minirl.main(["--config", str(ROOT / "config.yaml"), *overrides])
+
+
 def resumed_logprobs(batch_path, out_path, *overrides):
     trainer = minirl.Trainer(load_config(ROOT / "config.yaml", list(overrides)))
     batch = torch.load(batch_path)
@@ -53,4 +71,5 @@ def resumed_logprobs(batch_path, out_path, *overrides):
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     # skip Python's teardown, as minirl.train does: gloo's threads can abort it after a run that succeeded
-    failures.leave({"nan": run_with_nan, "logprobs": resumed_logprobs}[mode](*args))
+    failures.leave({"nan": run_with_nan, "small-files": run_with_small_files,
+                    "logprobs": resumed_logprobs}[mode](*args))

@@ -8,6 +8,7 @@ every 2 steps and at the last: global_step_2 (the end of epoch 0), global_step_4
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -248,6 +249,22 @@ def test_nan_steps_are_skipped_and_three_in_a_row_stop_the_run(demo_dir, data_fi
     assert checkpoint.problems(root / "global_step_2") is None
 
 
+def test_a_save_that_cannot_write_names_the_folder_and_keeps_the_last_checkpoint(demo_dir, data_file, tmp_path):
+    """From step 2 on no file may grow past 32 KiB (RLIMIT_FSIZE, standing in for a full disk: the shard writes
+    fail inside torch.save, which reports them as a bare RuntimeError): the run stops with a checkpoint error that
+    names the staging folder and the fix, and global_step_1 stays the intact latest checkpoint."""
+    result = run(torchrun_cmd(2, ROOT / "tests" / "checkpoint_launcher.py", "small-files", 2,
+                              *run_overrides(demo_dir, data_file, tmp_path, "trainer.save_freq=1",
+                                             "trainer.total_training_steps=3")), expect_rc=1)
+    root = tmp_path / "checkpoints"
+    message = result.stderr[result.stderr.index("checkpoint error: "):].splitlines()[0]
+    assert f"writing {root / 'global_step_2.incomplete'} failed (RuntimeError: " in message, message
+    assert "free of" in message and "trainer.default_local_dir" in message, message
+    assert [r["step"] for r in metric_rows(tmp_path / "metrics.jsonl")] == [1]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert checkpoint.problems(root / "global_step_1") is None and not (root / "global_step_2").exists()
+
+
 def test_export_never_mixes_with_an_earlier_export(run_a, tmp_path):
     """Found exporting a LoRA checkpoint's adapter into the folder of its merged export: adapter_config.json and
     the merged model.safetensors ended up side by side. A non-empty folder is refused, untouched."""
@@ -259,6 +276,23 @@ def test_export_never_mixes_with_an_earlier_export(run_a, tmp_path):
     again = run([sys.executable, "minirl.py", "--export", run_a / "checkpoints" / "global_step_4", out], expect_rc=2)
     assert f"checkpoint error: --export: '{out}' exists and is not an empty folder" in again.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_export_that_cannot_write_is_named_and_leaves_nothing(run_a, tmp_path):
+    """No file may grow past 32 KiB (RLIMIT_FSIZE, standing in for a full disk; the weights file is larger): the
+    export stops with a checkpoint error naming its folder and the fix, and neither it nor its staging folder
+    is left."""
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)                # the write fails instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "export"
+    failed = subprocess.run([sys.executable, "minirl.py", "--export", run_a / "checkpoints" / "global_step_5", out],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert f"checkpoint error: writing {out}.incomplete failed (" in failed.stderr, failed.stderr[-3000:]
+    assert "Free space or export to a larger disk" in failed.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
