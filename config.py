@@ -421,14 +421,13 @@ LOCAL_PATH_KEYS = ("af_output_dir", "data.tokenizer", "data.train_files", "data.
 
 
 def expand_home(cfg):
+    """Replace a leading ~ (or ~user) in each LOCAL_PATH_KEYS value, a path or a list of them, with that home."""
     def expanded(path):
         return os.path.expanduser(path) if path.startswith("~") else path
 
     for dotted in LOCAL_PATH_KEYS:
-        *parents, leaf = dotted.split(".")
-        section = cfg
-        for name in parents:
-            section = section[name]
+        parent, _, leaf = dotted.rpartition(".")
+        section = get_dotted(cfg, parent) if parent else cfg
         value = section[leaf]
         if isinstance(value, str):
             section[leaf] = expanded(value)
