@@ -23,8 +23,9 @@ class Tracker:
 
     def __init__(self, cfg, enabled, start_step=0, saved_row=None):
         """start_step: the step a resumed run continues after; rows a killed run logged past it are dropped, so
-        metrics.jsonl holds each step once. saved_row: that step's metrics as its checkpoint kept them, logged
-        again when metrics.jsonl lacks the step (the run was killed after the save, before the append)."""
+        metrics.jsonl holds each step once (and `log` merges a second row for the last step into it). saved_row:
+        that step's metrics as its checkpoint kept them, logged again when metrics.jsonl lacks the step (the run was
+        killed after the save, before the append)."""
         self.enabled = enabled
         self.loggers = cfg.trainer.logger
         if not enabled:
@@ -32,6 +33,7 @@ class Tracker:
         out = Path(cfg.af_output_dir)
         out.mkdir(parents=True, exist_ok=True)
         logged = drop_rows_after(out / "metrics.jsonl", start_step)
+        self.last_step = max(logged, default=None)
         self.jsonl = open(out / "metrics.jsonl", "a")
         self.tb = self.wandb = None
         if "tensorboard" in self.loggers:
@@ -48,8 +50,14 @@ class Tracker:
     def log(self, metrics, step):
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()
+        if step == self.last_step:
+            # a resumed run validates before training (val_before_train, as verl) at the step it resumed from,
+            # whose row metrics.jsonl holds already: the validation joins that row, so each step keeps one row
+            self.add_to_last_row(metrics)
+        else:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        self.last_step = step
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
@@ -59,6 +67,18 @@ class Tracker:
         if "console" in self.loggers:
             shown = {k: v for k, v in metrics.items() if k.startswith(self.CONSOLE_KEYS)}
             print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
+
+    def add_to_last_row(self, metrics):
+        """Rewrite metrics.jsonl with `metrics` merged into its last row (newer values win), to a temporary file
+        renamed into place; the append handle is reopened on the new file."""
+        path = Path(self.jsonl.name)
+        self.jsonl.close()
+        rows = complete_rows(path, path.read_text(errors="replace"))
+        merged = {**rows[-1][1], **metrics}
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(line + "\n" for line, _ in rows[:-1]) + json.dumps(merged) + "\n")
+        os.replace(staging, path)
+        self.jsonl = open(path, "a")
 
     def close(self):
         if self.enabled:

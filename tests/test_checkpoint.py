@@ -178,6 +178,23 @@ def test_rerunning_a_finished_run_adds_nothing(run_a, demo_dir, data_file, tmp_p
     assert (out / "metrics.jsonl").read_text() == before
 
 
+def test_the_validation_a_resumed_run_starts_with_joins_its_steps_row(run_a, demo_dir, data_file, tmp_path):
+    """Resumed with val_before_train, a run validates first at the step it resumed from, as verl does; that step's
+    row is in metrics.jsonl already, so the validation joins it: every step keeps one row (found: a second,
+    validation-only row for the step, which a reader keying rows by step took for the step's whole row)."""
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    before = metric_rows(out / "metrics.jsonl")
+    train(demo_dir, data_file, out, f"data.val_files={data_file}", "trainer.val_before_train=true",
+          "trainer.test_freq=-1", "trainer.total_training_steps=6")
+    rows = metric_rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:4] == before[:4]
+    validation = {k: v for k, v in rows[4].items() if k.startswith(("val-core/", "val-aux/"))}
+    assert validation and "val-core/minirl/add/reward/mean@1" in validation
+    assert rows[4] == {**before[4], **validation}         # step 5's training metrics, its validation beside them
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # resume_path and Hugging Face export
 
