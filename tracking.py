@@ -38,7 +38,8 @@ class Tracker:
         self.tb = self.wandb = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # resumed: TensorBoard hides what the killed run logged past the checkpoint, as this file does
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if "wandb" in self.loggers:
             import wandb
             os.environ.setdefault("WANDB_MODE", "offline")

@@ -40,6 +40,23 @@ def test_resume_drops_rows_logged_after_the_checkpoint(tmp_path):
     assert rows == [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}, {"step": 3, "x": 30.0}]
 
 
+def test_resume_hides_tensorboard_events_logged_after_the_checkpoint(tmp_path):
+    """TensorBoard keeps every event file of a run folder: without a purge step the killed run's steps past the
+    checkpoint showed beside the resumed run's, the curve doubling back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    t = tracker(tmp_path, "[tensorboard]")
+    for step in (1, 2, 3, 4):
+        t.log({"x": float(step)}, step=step)
+    t.close()
+    t = tracker(tmp_path, "[tensorboard]", start_step=2)  # resumed from global_step_2: steps 3 and 4 trained again
+    for step in (3, 4, 5):
+        t.log({"x": 10.0 * step}, step=step)
+    t.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+
 def test_validation_metrics_by_hand():
     # source a: prompt 1 scores (1, 0), prompt 2 (0, 0); source b: prompt 3 (1, 1)
     scores = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
