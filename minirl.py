@@ -61,8 +61,8 @@ from config import ConfigError, config_file_path, load_config, planning_world_si
 from data import PromptLoader, RLHFDataset, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
-from runtime import (check_output_folders, init_distributed, pick_device, resolve_paths, sampling_seed,
-                     seed_everything, share_cpu)
+from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
+                     sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from to_verl import to_verl
 from tools import load_tools
@@ -145,6 +145,7 @@ class Trainer:
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
+        self.run_lock = claim_output_folder(cfg.af_output_dir) if self.rank == 0 else None   # one run per folder
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # with LoRA the reference is the actor's own base model (adapter disabled): no second copy of the weights

@@ -1,14 +1,16 @@
 """Where a run happens: the device and process group, a CPU rank's threads and malloc settings, seeds, and the
-paths it reads and writes (hdfs:// copied into a local cache; output folders checked writable before any model
-loads). Used by minirl.py before the models load, and by the probes and benchmarks that run a piece of a step on
-their own."""
+paths it reads and writes (hdfs:// copied into a local cache; output folders checked writable and claimed for this
+run before any model loads). Used by minirl.py before the models load, and by the probes and benchmarks that run a
+piece of a step on their own."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import random
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +175,31 @@ def check_output_folders(cfg, rank):
         except OSError as error:
             raise ConfigError(f"{key}={folder!r} is not a folder minirl can write to ({error.strerror or error}); "
                               f"point it at a writable folder") from None
+
+
+RUN_LOCK = ".minirl_run.lock"
+
+
+def claim_output_folder(folder):
+    """Hold an exclusive lock on <folder>/.minirl_run.lock for as long as this process lives (rank 0 calls it for
+    af_output_dir). A second run given a folder that a running one writes to (a job retried while the first still
+    runs, two experiments left on the same af_output_dir) would interleave metrics.jsonl rows and resume from the
+    other's checkpoints; it is refused instead, naming the holder. The kernel drops the lock when the process ends,
+    however it ends (kill -9 too), so it is never stale. Returns the open file, which holds the lock."""
+    handle = open(Path(folder) / RUN_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not said which"
+        handle.close()
+        raise ConfigError(f"af_output_dir={str(folder)!r} is in use by a run that is still going ({holder}); a "
+                          f"second run there would mix its metrics and checkpoints with that run's: give this run "
+                          f"its own af_output_dir, or wait for that run to end") from None
+    except OSError:               # a file system without locks (some network mounts): nothing to guard with
+        return handle
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle

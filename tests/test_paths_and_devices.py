@@ -10,6 +10,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from config import load_config
+from launch import torchrun
 from runtime import local_path, pick_device, resolve_paths
 
 
@@ -83,6 +84,55 @@ def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, mo
         home = str(tmp_path)
         assert section == ([item.replace("~", home, 1) for item in value] if isinstance(value, list)
                            else value.replace("~", home, 1)), key
+
+
+HOLD_THE_FOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from runtime import claim_output_folder
+    lock = claim_output_folder({folder!r})
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_folder_a_running_run_holds_is_refused_and_freed_when_it_dies(tmp_path):
+    """While one process holds af_output_dir, claiming it again fails naming the holder; once the holder is killed
+    (SIGKILL: no cleanup of its own), the folder is free at once."""
+    from config import ConfigError
+    from runtime import claim_output_folder
+    root = str(Path(__file__).resolve().parents[1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_FOLDER.format(root=root, folder=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"af_output_dir='{tmp_path}' is in use by a run that is still going "
+                                              rf"\(pid {holder.pid} on .*\); .* give this run its own af_output_dir"):
+            claim_output_folder(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    claim_output_folder(tmp_path).close()
+
+
+def test_a_second_run_in_a_busy_output_folder_stops_before_loading_models(demo_dir, tmp_path):
+    """The real entry point under torchrun: a run given the af_output_dir of a run still going is a config error,
+    and it logs and saves nothing there."""
+    root = str(Path(__file__).resolve().parents[1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_FOLDER.format(root=root, folder=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = torchrun(2, "minirl.py", "--config", "config.yaml", f"af_output_dir={tmp_path}",
+                          f"actor_rollout_ref.model.path={demo_dir}/model",
+                          f"data.train_files={demo_dir}/data/train.parquet",
+                          f"data.val_files={demo_dir}/data/test.parquet", expect_ok=False, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode != 0
+    assert f"config error: af_output_dir='{tmp_path}' is in use by a run that is still going" in second.stderr
+    assert not (tmp_path / "metrics.jsonl").exists() and not any((tmp_path / "checkpoints").iterdir())
 
 
 def has_libhdfs():
