@@ -212,8 +212,10 @@ def parse_yaml(text, source):
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{source} is not valid yaml: {getattr(err, 'problem', None) or err}{where}; "
-                          f"quote values that hold yaml's special characters") from None
+        problem = getattr(err, "problem", None) or str(err)
+        fix = ("indent with spaces (yaml does not allow tabs)" if "'\\t'" in problem
+               else "quote values that hold yaml's special characters")
+        raise ConfigError(f"{source} is not valid yaml: {problem}{where}; {fix}") from None
     return _plain_tree(tree, source, [], [MAX_VALUES], set())
 
 

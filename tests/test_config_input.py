@@ -68,6 +68,7 @@ def _bomb():
     ("- a\n- b\n", r"the top level must be a mapping of keys, got list"),
     ("backend_config: 8\n", r"'backend_config' must be a mapping of verl's sections, got 8"),
     ("data:\n  train_batch_size: [1, 2\n", r"is not valid yaml: expected ',' or '\]'.* at line 3, column 1"),
+    ("data:\n\ttrain_batch_size: 8\n", r"at line 2, column 1; indent with spaces \(yaml does not allow tabs\)"),
 ])
 def test_malformed_config_file_is_a_config_error_naming_it(paths, content, pattern):
     path = paths["dir"] / "bad.yaml"
