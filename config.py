@@ -668,6 +668,19 @@ def _check_lora(cfg):
                           f"(the first weight sync sends the base weights); later syncs send the adapter only")
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")        # organisation/name, as verl's example scripts pass
+
+
+def _hub_hint(item):
+    """For a model path that reads as a Hugging Face Hub id (verl's example scripts pass them, and verl downloads):
+    how to get a local copy, since minirl reads models from a local folder or hdfs:// only."""
+    if not HUB_ID.match(item):
+        return ""
+    return (f"; it reads as a Hugging Face Hub id, and minirl loads models from a local folder or hdfs:// (no "
+            f"downloads): fetch it first, e.g. `hf download {item} --local-dir ~/models/{item.split('/')[1]}`, "
+            f"and pass that folder")
+
+
 def _check_paths(cfg):
     def exists(dotted, value, folder):
         for item in ([value] if isinstance(value, str) else value):
@@ -680,7 +693,8 @@ def _check_paths(cfg):
                 raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' cannot be used: "
                                   f"{err.strerror or err}") from None
             if not found:
-                raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' does not exist")
+                hint = _hub_hint(item) if folder else ""
+                raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' does not exist{hint}")
             if not right_kind:
                 raise ConfigError(f"config key '{dotted}': '{_cut(item)}' is not a "
                                   f"{'folder' if folder else 'file or folder'}")

@@ -107,6 +107,18 @@ def test_unknown_key_suggests_the_right_one(paths):
         load_config(path, world_size=2)
 
 
+def test_a_hub_id_as_model_path_says_how_to_get_a_local_copy(paths):
+    """verl's example scripts pass actor_rollout_ref.model.path=Qwen/..., which verl downloads; minirl reads local
+    or hdfs:// folders, and says so with the download command. A missing path that is no hub id gets no hint."""
+    path = write(paths, minimal(paths))
+    with pytest.raises(ConfigError, match=r"path 'Qwen/Qwen2\.5-3B-Instruct' does not exist; it reads as a Hugging "
+                                          r"Face Hub id.*`hf download Qwen/Qwen2\.5-3B-Instruct --local-dir "
+                                          r"~/models/Qwen2\.5-3B-Instruct`"):
+        load_config(path, ["actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct"], world_size=2)
+    with pytest.raises(ConfigError, match=r"path '/no/such/model' does not exist$"):
+        load_config(path, ["actor_rollout_ref.model.path=/no/such/model"], world_size=2)
+
+
 def test_key_in_the_wrong_section_points_to_the_right_one(paths):
     with pytest.raises(ConfigError, match=r"data\.ppo_epochs.*actor_rollout_ref\.actor\.ppo_epochs"):
         load_config(write(paths, minimal(paths)), ["data.ppo_epochs=2"], world_size=2)
