@@ -231,15 +231,16 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
 
 
 def _save_role(folder, role, contents, tokenizer, rank, world_size):
+    shards = {"model": _model_shard(role.model)}
+    if "optimizer" in contents:
+        shards["optim"] = _optimizer_shard(role.optimizer)
+    if "extra" in contents:
+        shards["extra_state"] = {"lr_scheduler": role.scheduler.state_dict(), "rng": rng_state(),
+                                 "counters": role.checkpoint_counters()}
     with writing_into(folder.parent):
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(_model_shard(role.model), folder / _shard_file("model", world_size, rank))
-        if "optimizer" in contents:
-            torch.save(_optimizer_shard(role.optimizer), folder / _shard_file("optim", world_size, rank))
-        if "extra" in contents:
-            extra = {"lr_scheduler": role.scheduler.state_dict(), "rng": rng_state(),
-                     "counters": role.checkpoint_counters()}
-            torch.save(extra, folder / _shard_file("extra_state", world_size, rank))
+        for kind, state in shards.items():
+            torch.save(state, folder / _shard_file(kind, world_size, rank))
     weights = None
     if "hf_model" in contents:
         from models import full_state_dict_items           # a collective: every rank gathers every tensor
@@ -265,10 +266,11 @@ SAVE_FIX = ("Free space, point trainer.default_local_dir at a larger disk or kee
 
 @contextmanager
 def writing_into(staging, fix=SAVE_FIX):
-    """The file writes of a save (or an export). One that fails (a full disk, a quota, a lost mount; torch.save
-    reports these as a RuntimeError such as "unexpected pos" or "iostream error", safetensors as its own
-    SafetensorError) becomes a CheckpointError that names the folder, the space now left on its file system and
-    `fix`. Nothing was renamed into place yet; the next save removes a save's staging folder."""
+    """Around the file writes of a save (or an export), and only those: a write that fails (a full disk, a quota, a
+    lost mount; torch.save reports these as a RuntimeError such as "unexpected pos" or "iostream error",
+    safetensors as its own SafetensorError) becomes a CheckpointError that names the folder, the space now left on
+    its file system and `fix`. The newest checkpoint before it is still whole (a half-written folder is never
+    renamed into place, and resuming picks the newest intact one); the next save removes the staging folder."""
     try:
         yield
     except CheckpointError:
