@@ -4,14 +4,12 @@
         a normal training run, except that from global step FROM_STEP on every log-prob of the PPO update is NaN
         (so the loss and the gradient norm are NaN); exits with minirl's exit code
     torchrun --nproc_per_node 2 tests/checkpoint_launcher.py small-files FROM_STEP key=value ...
-        a normal training run, except that from global step FROM_STEP on no file may grow past 32 KiB (RLIMIT_FSIZE:
-        a write past it fails with EFBIG, as a write to a full disk fails with ENOSPC); exits with minirl's exit code
+        a normal training run, except that from global step FROM_STEP on no file may grow past 32 KiB
+        (launch.limit_file_size: a write to a full disk, in effect); exits with minirl's exit code
     torchrun --nproc_per_node 2 tests/checkpoint_launcher.py logprobs BATCH.pt OUT.pt key=value ...
         build the Trainer (pass trainer.resume_mode=resume_path and trainer.resume_from_path=...) and write the
         FSDP actor's log-probs of BATCH (temperature 1), the global step, the loader state and the LR to OUT
 """
-import resource
-import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import failures  # noqa: E402
 import minirl  # noqa: E402
 from config import load_config  # noqa: E402
+from launch import limit_file_size  # noqa: E402
 
 
 def run_with_nan(from_step, *overrides):
@@ -48,8 +47,7 @@ def run_with_small_files(from_step, *overrides):
 
     def limited_train_step(self, prompts):
         if self.global_step >= int(from_step):
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)           # the write fails instead of killing the process
-            resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            limit_file_size(32 * 1024)
         return train_step(self, prompts)
 
     minirl.Trainer.train_step = limited_train_step

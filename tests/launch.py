@@ -1,5 +1,7 @@
 """Launching minirl (or a probe script) under real torchrun from tests: one helper for every test file."""
 import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +46,10 @@ def times_said(stderr, message):
     failing rank's line after "traceback : ". Counted in the text, not at line starts: a C++ warning from another
     rank can be written in pieces around the line."""
     return stderr.count(message) - stderr.count(f"traceback : {message}")
+
+
+def limit_file_size(limit_bytes=32 * 1024):
+    """From now on no file this process (or a child) writes may grow past `limit_bytes` (RLIMIT_FSIZE): a write past
+    it fails with EFBIG, as a write to a full disk fails with ENOSPC, instead of SIGXFSZ killing the process."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

@@ -8,7 +8,6 @@ every 2 steps and at the last: global_step_2 (the end of epoch 0), global_step_4
 import hashlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import torch
 import checkpoint
 
 from conftest import padded_batch
-from launch import ROOT, assert_resumed, launch_env, times_said, torchrun_cmd
+from launch import ROOT, assert_resumed, launch_env, limit_file_size, times_said, torchrun_cmd
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
@@ -299,13 +298,10 @@ def test_an_export_that_cannot_write_is_named_and_leaves_nothing(run_a, tmp_path
     """No file may grow past 32 KiB (RLIMIT_FSIZE, standing in for a full disk; the weights file is larger): the
     export stops with a checkpoint error naming its folder and the fix, and neither it nor its staging folder
     is left."""
-    def small_files():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)                # the write fails instead of killing the process
-        resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
     out = tmp_path / "export"
     failed = subprocess.run([sys.executable, "minirl.py", "--export", run_a / "checkpoints" / "global_step_5", out],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_file_size)
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert f"checkpoint error: writing {out}.incomplete failed (" in failed.stderr, failed.stderr[-3000:]
     assert "Free space or export to a larger disk" in failed.stderr

@@ -1,4 +1,6 @@
-"""hdfs:// copies (tested against a local pyarrow filesystem), the device helper and a CPU rank's settings."""
+"""hdfs:// copies (tested against a local pyarrow filesystem), `~` in path keys, output folders (local only, one run
+at a time), the device helper and a CPU rank's settings."""
+import contextlib
 import os
 import platform
 import re
@@ -10,7 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from config import load_config
+from config import get_dotted, load_config
 from launch import torchrun
 from runtime import local_path, pick_device, resolve_paths
 
@@ -78,13 +80,10 @@ def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, mo
                       [*overrides, "trainer.resume_mode=resume_path", "data.train_batch_size=8",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=gae",
                        "reward_model.enable=true"])
+    home = str(tmp_path)
     for key, value in homed.items():
-        section = cfg
-        for name in key.split("."):
-            section = section[name]
-        home = str(tmp_path)
-        assert section == ([item.replace("~", home, 1) for item in value] if isinstance(value, list)
-                           else value.replace("~", home, 1)), key
+        assert get_dotted(cfg, key) == ([item.replace("~", home, 1) for item in value] if isinstance(value, list)
+                                        else value.replace("~", home, 1)), key
 
 
 @pytest.mark.parametrize("key", ["af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir"])
@@ -112,40 +111,41 @@ HOLD_THE_FOLDER = textwrap.dedent("""
 """)
 
 
+@contextlib.contextmanager
+def held_by_another_process(folder):
+    """`folder` claimed (runtime.claim_output_folder) by a separate process for the duration; yields its pid, and
+    SIGKILLs it at the end: no cleanup of its own."""
+    root = str(Path(__file__).resolve().parents[1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_FOLDER.format(root=root, folder=str(folder))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_folder_a_running_run_holds_is_refused_and_freed_when_it_dies(tmp_path):
     """While one process holds af_output_dir, claiming it again fails naming the holder; once the holder is killed
     (SIGKILL: no cleanup of its own), the folder is free at once."""
     from config import ConfigError
     from runtime import claim_output_folder
-    root = str(Path(__file__).resolve().parents[1])
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_FOLDER.format(root=root, folder=str(tmp_path))],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_by_another_process(tmp_path) as pid:
         with pytest.raises(ConfigError, match=rf"af_output_dir='{tmp_path}' is in use by a run that is still going "
-                                              rf"\(pid {holder.pid} on .*\); .* give this run its own af_output_dir"):
+                                              rf"\(pid {pid} on .*\); .* give this run its own af_output_dir"):
             claim_output_folder(tmp_path)
-    finally:
-        holder.kill()
-        holder.wait()
     claim_output_folder(tmp_path).close()
 
 
 def test_a_second_run_in_a_busy_output_folder_stops_before_loading_models(demo_dir, tmp_path):
     """The real entry point under torchrun: a run given the af_output_dir of a run still going is a config error,
     and it logs and saves nothing there."""
-    root = str(Path(__file__).resolve().parents[1])
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_FOLDER.format(root=root, folder=str(tmp_path))],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_by_another_process(tmp_path):
         second = torchrun(2, "minirl.py", "--config", "config.yaml", f"af_output_dir={tmp_path}",
                           f"actor_rollout_ref.model.path={demo_dir}/model",
                           f"data.train_files={demo_dir}/data/train.parquet",
                           f"data.val_files={demo_dir}/data/test.parquet", expect_ok=False, timeout=300)
-    finally:
-        holder.kill()
-        holder.wait()
     assert second.returncode != 0
     assert f"config error: af_output_dir='{tmp_path}' is in use by a run that is still going" in second.stderr
     assert not (tmp_path / "metrics.jsonl").exists() and not any((tmp_path / "checkpoints").iterdir())
