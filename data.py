@@ -21,7 +21,6 @@ examples/data_preprocess/gsm8k.py. No network is used anywhere.
 
 import argparse
 import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -31,8 +30,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import RandomSampler
-
-logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 # besides the prompt column (data.prompt_key): what each holds, for the error when one is missing
@@ -114,6 +111,7 @@ class RLHFDataset:
         self.tools = tools              # tool schemas for the chat template (multi-turn rollouts)
         # origins[i] = (file, row number in that file, position in the concatenated files before filtering)
         self.rows, self.origins = [], []
+        self.dropped_overlong = 0       # rows filter_overlong_prompts took out
         for path in _as_path_list(files):
             for row_number, row in enumerate(self._read_file(path)):
                 row["extra_info"] = row.get("extra_info") or {}
@@ -173,10 +171,16 @@ class RLHFDataset:
     def _drop_overlong_prompts(self):
         lengths = [len(self._prompt_ids(row)) for row in self.rows]
         keep = [i for i, n in enumerate(lengths) if n <= self.max_prompt_length]
-        logger.info("filter_overlong_prompts: dropped %d of %d prompts longer than %d tokens",
-                    len(self.rows) - len(keep), len(self.rows), self.max_prompt_length)
+        self.dropped_overlong = len(self.rows) - len(keep)
         self.rows = [self.rows[i] for i in keep]
         self.origins = [self.origins[i] for i in keep]
+
+    def filter_summary(self):
+        """What filter_overlong_prompts took out ('' when nothing), for the run's log and the size errors."""
+        if not self.dropped_overlong:
+            return ""
+        return (f"filter_overlong_prompts dropped {self.dropped_overlong} of {len(self) + self.dropped_overlong} "
+                f"prompts longer than max_prompt_length={self.max_prompt_length}")
 
     def _messages(self, row):
         return row[self.prompt_key]
@@ -248,6 +252,25 @@ class RLHFDataset:
         if multi_modal_inputs:
             item["multi_modal_data"], item["multi_modal_inputs"] = multi_modal_data, multi_modal_inputs
         return item
+
+
+def check_dataset_sizes(train_set, val_set, train_batch_size):
+    """Refuse, before any model loads, a training set without one whole batch and an empty validation set (verl
+    stops on both: 'Train dataloader is empty!', 'Validation dataloader is empty!'), saying whether
+    filter_overlong_prompts emptied it."""
+    def held(dataset):
+        summary = dataset.filter_summary()
+        return f"{len(dataset)} prompts" + (f" ({summary})" if summary else "")
+
+    shorter_fix = "raise data.max_prompt_length, or cut prompts with data.truncation=left|right|middle instead"
+    if len(train_set) < train_batch_size:
+        fix = shorter_fix if train_set.dropped_overlong else "lower data.train_batch_size or add data"
+        raise ValueError(f"data.train_files hold {held(train_set)}, fewer than one batch "
+                         f"(data.train_batch_size={train_batch_size}); {fix}")
+    if val_set is not None and len(val_set) == 0:
+        fix = shorter_fix if val_set.dropped_overlong else "point data.val_files at rows to validate on"
+        raise ValueError(f"data.val_files hold {held(val_set)}; {fix}, or set data.val_files=null to train "
+                         f"without validation")
 
 
 def _tools_kwargs_shape(tools_kwargs):
@@ -556,5 +579,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     main()

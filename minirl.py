@@ -58,7 +58,7 @@ from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_siz
                    repeat_interleave, rows_of_rank, take)
 from batch_plan import batch_plan, format_plan, total_training_steps
 from config import ConfigError, config_file_path, load_config, planning_world_size, settings_without_effect
-from data import PromptLoader, RLHFDataset, collate
+from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
@@ -131,12 +131,14 @@ class Trainer:
                               tools=[dict(t.get_openai_tool_schema()) for t in self.tools.values()] or None)
         self.train_set = RLHFDataset(data.train_files, self.tokenizer, **dataset_kwargs)
         self.val_set = RLHFDataset(data.val_files, self.tokenizer, **dataset_kwargs) if data.val_files else None
-        for dataset in filter(None, (self.train_set, self.val_set)):      # truncation=error: fail before loading
-            dataset.check_prompt_lengths()
+        for key, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
+            if dataset is None:
+                continue
+            dataset.check_prompt_lengths()                      # truncation=error: fail before loading
+            if dataset.filter_summary() and self.rank == 0:    # verl prints the filtered length too
+                print(f"{key}: {dataset.filter_summary()}", flush=True)
+        check_dataset_sizes(self.train_set, self.val_set, data.train_batch_size)
         self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-        if len(self.loader) == 0:
-            raise ConfigError(f"data.train_batch_size={data.train_batch_size} is larger than the training set "
-                              f"({len(self.train_set)} prompts after filtering)")
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading

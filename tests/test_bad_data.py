@@ -100,6 +100,23 @@ def test_the_trainer_stops_before_loading_models(demo_dir, tmp_path):
     assert "Loading weights" not in out.stderr + out.stdout
 
 
+def test_a_validation_set_the_filter_empties_stops_the_run_before_models_load(demo_dir, tmp_path):
+    """data.filter_overlong_prompts taking out every validation prompt once loaded the models, trained up to the
+    first validation and died there in a StopIteration; now the run says what the filter dropped and stops."""
+    val = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist(demo_rows(3, **{str(i): {"prompt": [
+        {"role": "user", "content": "What is " + " + ".join(["12"] * 40) + "?"}]} for i in range(3)})), val)
+    out = torchrun(1, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={val}",
+                   "data.filter_overlong_prompts=true", f"af_output_dir={tmp_path}/out", expect_ok=False, timeout=120)
+    assert out.returncode != 0, out.stderr[-3000:]
+    dropped = "filter_overlong_prompts dropped 3 of 3 prompts longer than max_prompt_length=64"
+    assert f"data.val_files: {dropped}" in out.stdout
+    assert times_said(out.stderr, f"error: data.val_files hold 0 prompts ({dropped}); raise "
+                                  f"data.max_prompt_length") == 1, out.stderr[-3000:]
+    assert "Loading weights" not in out.stderr + out.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # At scoring time
 

@@ -2,7 +2,6 @@
 preprocessing on real rows, and the data commands' dispatch. (The tiny models and the demo: test_demo.py.)
 Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_data.py -q"""
 
-import logging
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import AutoTokenizer
 
-from data import PromptLoader, RLHFDataset, collate, preprocess_gsm8k
+from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate, preprocess_gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,16 +92,44 @@ def test_truncation_error_names_file_row_and_length(tokenizer, tmp_path):
     assert "truncation=left" in message and "filter_overlong_prompts" in message
 
 
-def test_filter_overlong_prompts(tokenizer, tmp_path, caplog):
+def test_filter_overlong_prompts(tokenizer, tmp_path):
     # token counts are overhead + digits; max_length = overhead + 3: "123" fits exactly, "1234" does not
     path = write_rows(tmp_path / "f.parquet", ["1", "1234", "123"])
     max_length = len(digit_prompt_ids(tokenizer, "123"))
-    with caplog.at_level(logging.INFO, logger="data"):
-        ds = RLHFDataset(path, tokenizer, max_prompt_length=max_length, filter_overlong_prompts=True)
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=max_length, filter_overlong_prompts=True)
     assert len(ds) == 2
     assert [ds[i]["data_source"] for i in range(2)] == ["src0", "src2"]
     assert [ds[i]["index"] for i in range(2)] == [0, 2]  # no extra_info: the row's position before filtering
-    assert "dropped 1 of 3" in caplog.text
+    assert ds.filter_summary() == (f"filter_overlong_prompts dropped 1 of 3 prompts longer than "
+                                   f"max_prompt_length={max_length}")
+    assert RLHFDataset(path, tokenizer, max_prompt_length=max_length + 1,
+                       filter_overlong_prompts=True).filter_summary() == ""
+
+
+def test_too_few_prompts_name_the_files_key_and_what_the_filter_dropped(tokenizer, tmp_path):
+    """A training set short of one batch and an empty validation set stop the run before any model loads (verl
+    stops on both), and the error says whether filter_overlong_prompts emptied it and what to change."""
+    short, long = write_rows(tmp_path / "s.parquet", ["1", "2", "3"]), write_rows(tmp_path / "l.parquet", ["1234"])
+    max_length = len(digit_prompt_ids(tokenizer, "123"))
+    dataset = lambda path: RLHFDataset(path, tokenizer, max_prompt_length=max_length, filter_overlong_prompts=True)
+    check_dataset_sizes(dataset(short), None, 3)
+    check_dataset_sizes(dataset(short), dataset(short), 3)
+    with pytest.raises(ValueError, match=re.escape("data.train_files hold 3 prompts, fewer than one batch "
+                                                   "(data.train_batch_size=4); lower data.train_batch_size")):
+        check_dataset_sizes(dataset(short), None, 4)
+    with pytest.raises(ValueError, match=re.escape(
+            f"data.train_files hold 0 prompts (filter_overlong_prompts dropped 1 of 1 prompts longer than "
+            f"max_prompt_length={max_length}), fewer than one batch (data.train_batch_size=1); raise "
+            f"data.max_prompt_length")):
+        check_dataset_sizes(dataset(long), None, 1)
+    with pytest.raises(ValueError, match=re.escape(
+            f"data.val_files hold 0 prompts (filter_overlong_prompts dropped 1 of 1 prompts longer than "
+            f"max_prompt_length={max_length}); raise data.max_prompt_length")):
+        check_dataset_sizes(dataset(short), dataset(long), 3)
+    empty = write_rows(tmp_path / "e.parquet", [])
+    with pytest.raises(ValueError, match=re.escape("data.val_files hold 0 prompts; point data.val_files at rows to "
+                                                   "validate on, or set data.val_files=null")):
+        check_dataset_sizes(dataset(short), dataset(empty), 3)
 
 
 def test_rows_from_several_files_keep_their_origin(tokenizer, tmp_path):
