@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from batch import gather_tp_groups
 from tools import parse_hermes, truncate_tool_text
@@ -380,17 +379,7 @@ def conversations_to_batch(prompts, conversations, response_length, pad_id, extr
 
 def gather_rows(local, world_size, tp_size):
     """Every rank's rows (tensors and python lists), one copy per TP group, in group order. A collective."""
-    if world_size == 1:
-        return local
-    out = {}
-    for key, value in local.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = gather_tp_groups(value, world_size, tp_size)
-        else:
-            parts = [None] * world_size
-            dist.all_gather_object(parts, value)
-            out[key] = [row for part in parts[::tp_size] for row in part]
-    return out
+    return {key: gather_tp_groups(value, world_size, tp_size) for key, value in local.items()}
 
 
 def multi_turn_metrics(batch):

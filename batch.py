@@ -44,19 +44,24 @@ def rows_of_rank(total, rank, world_size):
 # Collectives (no-ops on one process)
 
 
-def gather_tp_groups(tensor, world_size, tp_size):
-    """All ranks' [b, ...] rows, keeping one copy per TP group (its first rank's): [b * world/tp, ...], in group
-    order. Ranks of a TP group generated the same rows, so the other copies are redundant. A collective."""
+def gather_tp_groups(rows, world_size, tp_size):
+    """All ranks' rows, keeping one copy per TP group (its first rank's), in group order: a [b, ...] tensor gives
+    [b * world/tp, ...], a list of python objects (pickled across) the concatenated list. Ranks of a TP group
+    generated the same rows, so the other copies are redundant. A collective."""
     if world_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
+        return rows
+    if not isinstance(rows, torch.Tensor):
+        parts = [None] * world_size
+        dist.all_gather_object(parts, rows)
+        return [row for part in parts[::tp_size] for row in part]
+    parts = [torch.empty_like(rows) for _ in range(world_size)]
+    dist.all_gather(parts, rows.contiguous())
     return torch.cat(parts[::tp_size])
 
 
-def all_gather_rows(tensor, world_size):
-    """Concatenate each rank's [b, ...] tensor (same b on every rank) in rank order."""
-    return gather_tp_groups(tensor, world_size, tp_size=1)
+def all_gather_rows(rows, world_size):
+    """Concatenate each rank's rows (a [b, ...] tensor, same b on every rank, or a list) in rank order."""
+    return gather_tp_groups(rows, world_size, tp_size=1)
 
 
 def all_reduce_sum(values, device, group=None):

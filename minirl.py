@@ -218,22 +218,24 @@ class Trainer:
         return agent.gather_rows(rows, self.world_size, self.rollout.tp_size)
 
     def score(self, batch):
-        """Scores [b] of this rank's rows: the reward model's when it is enabled (verl's reward manager then uses
-        the model score), else the rule (or custom) reward function's."""
+        """(scores [b], extras) of this rank's rows: the reward model's scores when it is enabled (verl's reward
+        manager then uses the model score), else the rule (or custom) reward function's. extras[i] holds what a
+        reward function returning a dict gave besides "score" (verl's reward_extra_info; {} otherwise)."""
         if self.reward_model is not None:
-            return self.reward_model.score(batch, self.plan["reward_model_micro_batch"])
+            scores = self.reward_model.score(batch, self.plan["reward_model_micro_batch"])
+            return scores, [{} for _ in range(len(scores))]
         return self.rule_scores(batch)
 
     def rule_scores(self, batch):
-        """Rule (or custom) rewards for this rank's rows -> scores [b] (float)."""
+        """Rule (or custom) rewards for this rank's rows -> (scores [b] (float), extras)."""
         # verl decodes every valid response token: with multi-turn, tool answers included
         valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]
         texts = self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(batch["responses"], valid)],
                                             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
-        scores, _ = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                    batch["extra_info"], batch["origin"])
-        return torch.tensor(scores, dtype=torch.float32)
+        scores, extras = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
+                                         batch["extra_info"], batch["origin"])
+        return torch.tensor(scores, dtype=torch.float32), extras
 
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):
@@ -268,7 +270,8 @@ class Trainer:
 
             # 4. rewards: the score sits on the last response token
             with timer("reward", timings):
-                scores = all_gather_rows(self.score(local), self.world_size)             # [B]
+                scores, extras = self.score(local)
+                scores = all_gather_rows(scores, self.world_size)                                 # [B]
                 valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]                 # [B, R]
                 batch["token_level_scores"] = token_level_scores(scores, valid)                   # [B, R]
 
@@ -329,8 +332,10 @@ class Trainer:
         if self.agent is not None:
             metrics.update(agent.multi_turn_metrics(batch))
         metrics.update(timing_metrics(timings, batch, self.world_size))
-        if cfg.trainer.rollout_data_dir and self.rank == 0:
-            self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist())
+        if cfg.trainer.rollout_data_dir:
+            extras = all_gather_rows(extras, self.world_size)          # a collective: every rank takes part
+            if self.rank == 0:
+                self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist(), extras)
         return metrics
 
     def record_old_log_probs(self, batch, local, entropy):
@@ -345,8 +350,9 @@ class Trainer:
                                               batch["response_mask"]))
         return metrics
 
-    def dump_generations(self, folder, batch, scores):
-        """verl's generation dump: <folder>/<step>.jsonl, one {input, output, score, step} line per response."""
+    def dump_generations(self, folder, batch, scores, extras):
+        """verl's generation dump: <folder>/<step>.jsonl, one {input, output, score, step} line per response, plus
+        what the reward function returned besides "score" (verl's reward_extra_info)."""
         def decode(ids, mask):
             return self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
 
@@ -360,7 +366,9 @@ class Trainer:
                         "step": self.global_step}
                 if "messages" in batch:          # multi-turn: the whole conversation, tool answers included
                     line["messages"] = batch["messages"][i]
-                out.write(json.dumps(line) + "\n")
+                line.update(extras[i])
+                # numpy/torch values as numbers and lists; anything else JSON has no type for as its text
+                out.write(json.dumps(line, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)) + "\n")
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""
@@ -368,7 +376,7 @@ class Trainer:
         sampling.do_sample = False
         greedy = self.generate(prompt_batch, sampling, "gen_max")
         mine = rows_of_rank(batch_size_of(greedy), self.rank, self.world_size)
-        return all_gather_rows(self.score(take(greedy, mine)), self.world_size)
+        return all_gather_rows(self.score(take(greedy, mine))[0], self.world_size)
 
     # -- validation -----------------------------------------------------------------------------------------
     def validate(self):
@@ -383,10 +391,13 @@ class Trainer:
         batch = take(batch, list(range(total)) + [total - 1] * pad)
         batch = self.generate(batch, Sampling.from_config(arr.rollout, validate=True), "val")
         local = take(batch, rows_of_rank(batch_size_of(batch), self.rank, self.world_size))
-        scores = all_gather_rows(self.score(local), self.world_size)[:total].tolist()
+        scores, extras = self.score(local)
+        scores = all_gather_rows(scores, self.world_size)[:total].tolist()
+        extras = all_gather_rows(extras, self.world_size)[:total]
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
-            self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores)
-        metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key][:total], n)
+            self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores,
+                                  extras)
+        metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key][:total], n, extras)
         lengths = batch["response_mask"][:total].sum(-1).float()
         metrics["val-aux/response_length/mean"] = float(lengths.mean())
         return metrics

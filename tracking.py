@@ -6,6 +6,7 @@ other loggers (mlflow, swanlab, ...).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
 from pathlib import Path
@@ -152,22 +153,59 @@ def data_metrics(batch, response_length):
     return m
 
 
-def validation_metrics(scores, sources, n):
-    """Per data_source: val-core/<source>/reward/mean@n; with n > 1 also best@n/mean (the mean over prompts of the
-    best of its n scores), worst@n/mean and std@n (the mean over prompts of the spread of its n scores).
-    `scores`/`sources` hold n consecutive entries per prompt. verl estimates best/worst@n by bootstrap; these are
-    the exact values for the n samples drawn."""
-    per_prompt = np.asarray(scores, dtype=np.float64).reshape(-1, n)                 # [prompts, n]
+def validation_metrics(scores, sources, n, extras=None):
+    """Per data_source and variable, verl's validation metrics. The variables: the reward, and each number a reward
+    function's dict result holds in every row besides "score" (verl's reward_extra_info, e.g. "acc"); the core
+    one is "acc" where there is one, else the reward (verl's rule). For each: <var>/mean@n; with n > 1 also
+    best@n/mean (the mean over prompts of the best of its n values), worst@n/mean, std@n (the mean over prompts of
+    the spread of its n values) and, where the results hold a "pred", maj@n/mean (the value of the first response
+    giving the prompt's most common pred). The core variable's mean, best and maj are val-core/<source>/..., the
+    rest val-aux/<source>/.... `scores`/`sources`/`extras` hold n consecutive entries per prompt. verl estimates
+    best/worst/maj@n by bootstrap; these are the exact values for the n samples drawn."""
+    variables = {**_numbers_in_every_row(extras or []), "reward": scores}
+    core = "acc" if "acc" in variables else "reward"
     prompt_sources = np.asarray(sources[::n])
+    preds = [row.get("pred") for row in extras] if n > 1 and extras and all("pred" in row for row in extras) else None
     metrics = {}
-    for source in sorted(set(prompt_sources)):
-        group = per_prompt[prompt_sources == source]
-        metrics[f"val-core/{source}/reward/mean@{n}"] = float(group.mean())
-        if n > 1:
-            metrics[f"val-core/{source}/reward/best@{n}/mean"] = float(group.max(axis=1).mean())
-            metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(group.min(axis=1).mean())
-            metrics[f"val-aux/{source}/reward/std@{n}"] = float(group.std(axis=1).mean())
+    for name, values in variables.items():
+        section = "val-core" if name == core else "val-aux"
+        per_prompt = np.asarray(values, dtype=np.float64).reshape(-1, n)             # [prompts, n]
+        majority = _majority_values(per_prompt, preds) if preds else None               # [prompts]
+        for source in sorted(set(prompt_sources)):
+            mine = prompt_sources == source
+            group = per_prompt[mine]
+            metrics[f"{section}/{source}/{name}/mean@{n}"] = float(group.mean())
+            if n > 1:
+                metrics[f"{section}/{source}/{name}/best@{n}/mean"] = float(group.max(axis=1).mean())
+                metrics[f"val-aux/{source}/{name}/worst@{n}/mean"] = float(group.min(axis=1).mean())
+                metrics[f"val-aux/{source}/{name}/std@{n}"] = float(group.std(axis=1).mean())
+            if majority is not None:
+                metrics[f"{section}/{source}/{name}/maj@{n}/mean"] = float(majority[mine].mean())
     return metrics
+
+
+def _numbers_in_every_row(extras):
+    """{key: values} of the extras' keys that hold a real number (bools included) in every row, in the first
+    row's order; verl leaves text, such as a "pred", out of the means as well."""
+    if not extras:
+        return {}
+    return {key: [row[key] for row in extras] for key in extras[0]
+            if all(isinstance(row.get(key), (numbers.Real, np.bool_)) for row in extras)}
+
+
+def _majority_values(per_prompt, preds):
+    """Per prompt, the value of the first of its responses whose pred is the most common one among its n (ties:
+    the pred seen first), as verl's calc_maj_val picks it."""
+    n = per_prompt.shape[1]
+    chosen = []
+    for prompt, values in enumerate(per_prompt):
+        votes = preds[prompt * n:(prompt + 1) * n]
+        counts = {}
+        for pred in votes:
+            counts[pred] = counts.get(pred, 0) + 1
+        winner = max(counts, key=counts.get)                  # the first pred reaching the top count
+        chosen.append(values[votes.index(winner)])
+    return np.asarray(chosen)
 
 
 def timing_metrics(timings, batch, world_size):

@@ -2,6 +2,9 @@
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from config import load_config
 from tracking import Tracker, validation_metrics
 
@@ -69,6 +72,35 @@ def test_validation_metrics_by_hand():
     assert m["val-core/b/reward/mean@2"] == 1.0 and m["val-aux/b/reward/std@2"] == 0.0
     assert validation_metrics([0.5, 1.0], ["a", "b"], n=1) == {"val-core/a/reward/mean@1": 0.5,
                                                                "val-core/b/reward/mean@1": 1.0}
+
+
+def test_validation_metrics_of_a_reward_functions_dict_results_by_hand():
+    """verl's reward_extra_info: every number a dict result holds is a variable; "acc" becomes the core one (its
+    mean, best and maj in val-core, the reward's in val-aux); text ("pred", "note") is left out of the means but
+    "pred" votes for maj@n; a key some rows lack is left out."""
+    scores = [0.9, 0.1, 0.1, 0.1, 0.9, 0.1]                  # prompts (source a): 1, 2; prompt 3: source b
+    extras = [{"acc": True, "pred": "7", "len": 3, "note": "x", "only_here": 1.0},
+              {"acc": False, "pred": "8", "len": 5, "note": "y"},
+              {"acc": np.bool_(False), "pred": "6", "len": 4, "note": "z"},
+              {"acc": 0.0, "pred": "6", "len": 6, "note": "z"},
+              {"acc": 1, "pred": "2", "len": 1, "note": "w"},
+              {"acc": 0, "pred": "3", "len": 9, "note": "w"}]
+    m = validation_metrics(scores, ["a", "a", "a", "a", "b", "b"], n=2, extras=extras)
+    assert m["val-core/a/acc/mean@2"] == 0.25                    # (1+0+0+0)/4
+    assert m["val-core/a/acc/best@2/mean"] == 0.5                # (1 + 0) / 2
+    assert m["val-aux/a/acc/worst@2/mean"] == 0.0 and m["val-aux/a/acc/std@2"] == 0.25
+    # prompt 1: "7" and "8" tie, the first ("7") wins: acc 1; prompt 2: "6" twice: acc 0
+    assert m["val-core/a/acc/maj@2/mean"] == 0.5
+    assert m["val-core/b/acc/maj@2/mean"] == 1.0                 # "2" and "3" tie: the first, acc 1
+    assert m["val-aux/a/reward/mean@2"] == pytest.approx(0.3)    # (0.9+0.1+0.1+0.1)/4
+    assert m["val-aux/a/reward/maj@2/mean"] == pytest.approx(0.5)  # (0.9 + 0.1) / 2
+    assert m["val-aux/a/len/mean@2"] == 4.5 and m["val-aux/b/len/best@2/mean"] == 9.0
+    names = {key.split("/")[2] for key in m}
+    assert names == {"acc", "reward", "len"}                     # no "pred", "note" or "only_here"
+    assert not any(key.startswith("val-core") for key in m if "/reward/" in key or "/len/" in key)
+    # n = 1: means only, acc still the core variable
+    assert validation_metrics([0.5, 1.0], ["a", "a"], n=1, extras=[{"acc": 0}, {"acc": 1}]) == {
+        "val-core/a/acc/mean@1": 0.5, "val-aux/a/reward/mean@1": 0.75}
 
 
 def test_plot_draws_a_live_runs_rows_and_leaves_out_a_partial_line(tmp_path, capsys):

@@ -2,7 +2,9 @@
 promise: one update on a fixed batch gives the same gradients and weights whatever the micro-batching, world
 size, remove-padding, dynamic batch size or gradient checkpointing."""
 import json
+import re
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -64,7 +66,6 @@ def test_tensorboard_events_read_back(e2e_run):
 def test_generation_dumps_hold_each_response_with_its_score(e2e_run):
     """trainer.rollout_data_dir / validation_data_dir: <step>.jsonl with input, output, score; each score agrees
     with the demo rule applied here to the dumped text (1.0 right '#### a+b', 0.1 other number, 0 none)."""
-    import re
     for folder, steps, rows in (("rollouts", [1, 2, 3], 16), ("validation", [0, 3], 100)):
         assert sorted(int(p.stem) for p in (e2e_run["dir"] / folder).glob("*.jsonl")) == steps
         for step in steps:
@@ -75,6 +76,60 @@ def test_generation_dumps_hold_each_response_with_its_score(e2e_run):
                 answers = re.findall(r"#### (\-?[0-9\.\,]+)", line["output"])
                 expected = 0.0 if not answers else (1.0 if answers[-1] == str(a + b) else 0.1)
                 assert line["score"] == pytest.approx(expected), line
+
+
+REWARD_RETURNING_A_DICT = """
+import numpy as np
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    right = ("#### " + ground_truth) in solution_str
+    return {"score": 0.5 + 0.5 * right, "acc": right, "chars": np.int64(len(solution_str)),
+            "pred": solution_str.split("####")[-1].strip()}
+"""
+
+
+def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo_dir, tmp_path):
+    """verl's reward_extra_info: a custom compute_score returning {"score", "acc", ...} makes acc the core
+    validation variable (val-core/<source>/acc/..., the reward's in val-aux), its other numbers val-aux
+    variables, and every key a field of the dumped lines. Checked against the dumped texts, scored here."""
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(REWARD_RETURNING_A_DICT)
+    val = tmp_path / "val.parquet"
+    pq.write_table(pq.read_table(demo_dir / "data" / "test.parquet").slice(0, 6), val)
+    out = tmp_path / "out"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={val}", f"af_output_dir={out}",
+             f"custom_reward_function.path={reward_file}", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+             "actor_rollout_ref.rollout.val_kwargs.temperature=1",
+             f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/validation")
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    lines = [json.loads(line) for line in (out / "validation" / "0.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 * 4
+    for line in lines:
+        a, b = map(int, re.search(r"What is (\d) \+ (\d)\?", line["input"]).groups())
+        right = f"#### {a + b}" in line["output"]
+        assert (line["acc"], line["score"], line["chars"]) == (right, 0.5 + 0.5 * right, len(line["output"]))
+        assert line["pred"] == line["output"].split("####")[-1].strip()
+    groups = [lines[i:i + 4] for i in range(0, len(lines), 4)]                 # a prompt's 4 responses
+    acc = [[float(line["acc"]) for line in group] for group in groups]
+    majority = []
+    for group in groups:
+        preds = [line["pred"] for line in group]
+        top = max(preds.count(p) for p in preds)
+        majority.append(float(group[[preds.count(p) for p in preds].index(top)]["acc"]))
+    source = "val-core/minirl/add/acc"
+    assert row[f"{source}/mean@4"] == pytest.approx(sum(map(sum, acc)) / 24)
+    assert row[f"{source}/best@4/mean"] == pytest.approx(sum(map(max, acc)) / 6)
+    assert row[f"{source}/maj@4/mean"] == pytest.approx(sum(majority) / 6)
+    assert row["val-aux/minirl/add/acc/worst@4/mean"] == pytest.approx(sum(map(min, acc)) / 6)
+    assert row["val-aux/minirl/add/reward/mean@4"] == pytest.approx(sum(line["score"] for line in lines) / 24)
+    assert row["val-aux/minirl/add/chars/mean@4"] == pytest.approx(sum(line["chars"] for line in lines) / 24)
+    assert not any(key.startswith("val-core/minirl/add/reward") or "/pred/" in key for key in row)
+    rollouts = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8 and all(line["acc"] == (line["score"] == 1.0) for line in rollouts)
 
 
 def test_rank0_alone_logs(e2e_run):
