@@ -511,8 +511,9 @@ def check_types(cfg):
         if (value is None and spec.nullable) or spec.kinds is None:
             continue
         if not _has_kind(value, spec.kinds):
+            null = "; yaml writes none as null" if spec.nullable and value in ("None", "none") else ""
             raise ConfigError(f"config key '{dotted}' must be {_kind_name(spec.kinds)}, got {_show(value)} "
-                              f"({type(value).__name__}); default is {spec.default!r}")
+                              f"({type(value).__name__}{null}); default is {spec.default!r}")
 
 
 def float_or_same(text):
@@ -596,7 +597,10 @@ def _check_choices(cfg):
     loggers = [loggers] if isinstance(loggers, str) else loggers     # verl takes `trainer.logger=console` too
     bad = [name for name in loggers if name not in LOGGERS]
     if bad:
-        raise ConfigError(f"config key 'trainer.logger' has unknown entries {bad}; choose from: {', '.join(LOGGERS)}")
+        as_list = (f" (a list is written in brackets: trainer.logger=[{bad[0]}])" if any("," in name for name in bad)
+                   else "")
+        raise ConfigError(f"config key 'trainer.logger' has unknown entries {bad}{as_list}; choose from: "
+                          f"{', '.join(LOGGERS)}")
     cfg.trainer.logger = list(loggers)
 
 

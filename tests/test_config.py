@@ -1,5 +1,6 @@
 """Config loading: shapes, merge order, overrides, and every error a user can make, caught before any model loads."""
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -135,6 +136,9 @@ def test_unknown_override_key(paths):
     ("actor_rollout_ref.actor.optim.lr=[1]", r"'actor_rollout_ref.actor.optim.lr' must be float"),
     ("critic.ppo_micro_batch_size_per_gpu=two", r"'critic.ppo_micro_batch_size_per_gpu' must be int, got 'two'"),
     ("reward_model.micro_batch_size_per_gpu=1.5", r"'reward_model.micro_batch_size_per_gpu' must be int"),
+    # Python's spelling of none is yaml's text: the error says how to write it (only where null is allowed)
+    ("trainer.total_training_steps=None", r"must be int, got 'None' \(str; yaml writes none as null\)"),
+    ("data.train_batch_size=None", r"'data.train_batch_size' must be int, got 'None' \(str\); default"),
 ])
 def test_wrong_type(paths, override, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -162,6 +166,10 @@ def test_invalid_choice_suggests_closest(paths):
 def test_unknown_logger(paths):
     with pytest.raises(ConfigError, match=r"trainer.logger.*\['mlflow'\].*console, tensorboard, wandb"):
         load_config(write(paths, minimal(paths)), ["trainer.logger=[console,mlflow]"], world_size=2)
+    # a comma without brackets is one name (Hydra would take it for a sweep): the error shows the list's spelling
+    with pytest.raises(ConfigError, match=re.escape("['console,wandb'] (a list is written in brackets: "
+                                                    "trainer.logger=[console,wandb])")):
+        load_config(write(paths, minimal(paths)), ["trainer.logger=console,wandb"], world_size=2)
 
 
 def test_responses_must_divide_by_world_size(paths):
