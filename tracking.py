@@ -9,6 +9,8 @@ import json
 import numbers
 import os
 import sys
+from collections import Counter
+from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +167,8 @@ def validation_metrics(scores, sources, n, extras=None):
     variables = {**_numbers_in_every_row(extras or []), "reward": scores}
     core = "acc" if "acc" in variables else "reward"
     prompt_sources = np.asarray(sources[::n])
-    preds = [row.get("pred") for row in extras] if n > 1 and extras and all("pred" in row for row in extras) else None
+    has_preds = n > 1 and extras and all(isinstance(row.get("pred"), Hashable) and "pred" in row for row in extras)
+    preds = [row["pred"] for row in extras] if has_preds else None
     metrics = {}
     for name, values in variables.items():
         section = "val-core" if name == core else "val-aux"
@@ -200,10 +203,7 @@ def _majority_values(per_prompt, preds):
     chosen = []
     for prompt, values in enumerate(per_prompt):
         votes = preds[prompt * n:(prompt + 1) * n]
-        counts = {}
-        for pred in votes:
-            counts[pred] = counts.get(pred, 0) + 1
-        winner = max(counts, key=counts.get)                  # the first pred reaching the top count
+        winner = Counter(votes).most_common(1)[0][0]          # ties: the pred seen first
         chosen.append(values[votes.index(winner)])
     return np.asarray(chosen)
 

@@ -98,6 +98,12 @@ def test_validation_metrics_of_a_reward_functions_dict_results_by_hand():
     names = {key.split("/")[2] for key in m}
     assert names == {"acc", "reward", "len"}                     # no "pred", "note" or "only_here"
     assert not any(key.startswith("val-core") for key in m if "/reward/" in key or "/len/" in key)
+    # maj@n only where every response has a pred that can be counted
+    no_maj = [dict(row) for row in extras]
+    del no_maj[5]["pred"]
+    assert not any("maj@" in key for key in validation_metrics(scores, ["a"] * 6, n=2, extras=no_maj))
+    no_maj[5]["pred"] = ["3"]
+    assert not any("maj@" in key for key in validation_metrics(scores, ["a"] * 6, n=2, extras=no_maj))
     # n = 1: means only, acc still the core variable
     assert validation_metrics([0.5, 1.0], ["a", "a"], n=1, extras=[{"acc": 0}, {"acc": 1}]) == {
         "val-core/a/acc/mean@1": 0.5, "val-aux/a/reward/mean@1": 0.75}
