@@ -208,12 +208,13 @@ class Trainer:
 
     def generate_conversations(self, local, sampling, seed):
         """This rank's share of rows as conversations -> the full batch's rollout fields on every rank."""
-        engine = agent.engine_generate(self.rollout, sampling, batched=self.cfg.actor_rollout_ref.rollout.name == "vllm")
+        vllm = self.cfg.actor_rollout_ref.rollout.name == "vllm"
+        engine = agent.engine_generate(self.rollout, sampling, batched=vllm)
         conversations = self.agent.run(local, engine, seed)
         self.rollout.sleep()
         rows = agent.conversations_to_batch(local, conversations, sampling.max_tokens, self.tokenizer.pad_token_id,
                                             local["extra_info"])
-        if self.cfg.actor_rollout_ref.rollout.name != "vllm":
+        if not vllm:                  # the hf engine gives no log-probs to check the actor's against
             del rows["rollout_log_probs"]
         return agent.gather_rows(rows, self.world_size, self.rollout.tp_size)
 
@@ -400,6 +401,9 @@ class Trainer:
         metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key][:total], n, extras)
         lengths = batch["response_mask"][:total].sum(-1).float()
         metrics["val-aux/response_length/mean"] = float(lengths.mean())
+        if "num_turns" in batch:        # multi-turn: verl's val-aux/num_turns/*, and the tool calls beside them
+            turns = agent.multi_turn_metrics(take(batch, list(range(total))))
+            metrics.update({f"val-aux/{name}": value for name, value in turns.items()})
         return metrics
 
     # -- the loop -------------------------------------------------------------------------------------------

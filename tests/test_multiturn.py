@@ -39,8 +39,8 @@ def overrides(box_dir, out, engine, mode):
             f"trainer.rollout_data_dir={out}/rollouts"]
 
 
-def run(box_dir, out, engine, mode):
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, out, engine, mode))
+def run(box_dir, out, engine, mode, *extra):
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, out, engine, mode), *extra)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dumps = {step: [json.loads(line) for line in (out / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
              for step in (1, 2)}
@@ -91,9 +91,23 @@ def test_hf_sync_and_async_give_the_same_conversations(hf_runs):
 
 
 def test_vllm_async_run(box_dir, tmp_path):
-    rows, dumps = run(box_dir, tmp_path, "vllm", "async")
+    """Also validates before training: verl's val-aux/num_turns/* (and the tool-call counts), checked against the
+    conversations of the validation dump."""
+    rows, dumps = run(box_dir, tmp_path, "vllm", "async", f"data.val_files={box_dir}/data/test.parquet",
+                      "trainer.val_before_train=True", f"trainer.validation_data_dir={tmp_path}/validation")
+    validation, rows = rows[0], rows[1:]
     check_run(rows, dumps)
     assert all("training/rollout_probs_diff_max" in r for r in rows)
+    conversations = [json.loads(line)["messages"] for line in
+                     (tmp_path / "validation" / "0.jsonl").read_text().splitlines()]
+    # verl's count: the prompt, each assistant turn, and each turn of tool answers (one per run of tool messages)
+    turns = [1 + sum(m["role"] == "assistant" or (m["role"] == "tool" and previous["role"] != "tool")
+                     for previous, m in zip(messages, messages[1:])) for messages in conversations]
+    assert validation["step"] == 0 and max(turns) >= 3
+    assert (validation["val-aux/num_turns/min"], validation["val-aux/num_turns/max"]) == (min(turns), max(turns))
+    assert validation["val-aux/num_turns/mean"] == pytest.approx(sum(turns) / len(turns))
+    calls = sum(m["role"] == "tool" for messages in conversations for m in messages)
+    assert validation["val-aux/tool_calls/total"] >= calls > 0
 
 
 def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
