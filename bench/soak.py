@@ -104,6 +104,10 @@ def growth(samples, steps, warmup):
     start = int(steps * warmup)
     early = [s for s in samples if start < s[1] <= start + window]
     late = [s for s in samples if steps - window <= s[1] < steps]      # the last step logged: shutting down
+    if not early or not late:
+        raise SystemExit(f"no RSS sample fell in steps {start + 1}-{start + window} (after warm-up) or "
+                         f"{steps - window}-{steps - 1} (the end): {steps} steps are too few for --every; run more "
+                         f"--steps (the default is 200) or sample more often (a smaller --every)")
     result = {}
     for rank in sorted(samples[0][2]):
         before = statistics.mean(s[2][rank] for s in early)
