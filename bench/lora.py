@@ -4,9 +4,10 @@ memory, step time, bytes per weight sync.
 Each variant runs in its own process (one rank, FSDP2 on CPU) on the same model and the same batch, and does what
 the trainer does with its models in one step: old log-probs, reference log-probs (full fine-tuning: a second,
 frozen copy; LoRA: the actor with its adapter disabled), and one update of the actor. Reported: the process's
-peak RSS (and the part above the RSS after imports), the median step time, and the bytes the actor sends to the
-rollout engine at each sync (full: the whole state dict; LoRA: the adapter, plus the base weights once with
-load_format=dummy*). Ratios are against full fine-tuning on the same model, measured in the same run.
+peak RSS (and the part above the RSS after imports) over the steps and then with the syncs' gathers, the median
+step time, and the bytes the actor sends to the rollout engine at each sync (full: the whole state dict; LoRA: the
+adapter, plus the base weights once with load_format=dummy*). Ratios are against full fine-tuning on the same
+model, measured in the same run.
 
 Two models: the demo model (hidden 64: adapters on every linear layer are a large share of so small a model) and
 a wider random Qwen2 (hidden 1024, one layer), where the proportions are closer to a real LLM's.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 # name -> (lora_rank, target_modules); rank 0 = full fine-tuning
 VARIANTS = {"full": (0, "all-linear"), "lora r8": (8, "all-linear"), "lora r32": (32, "all-linear"),
             "lora r8 [q_proj,v_proj]": (8, "[q_proj,v_proj]")}
-BATCH = dict(batch_size=4, prompt_len=16, response_len=32)
+BATCH = dict(rows=4, prompt_len=16, response_len=32)
 
 
 def peak_rss_mb():
@@ -64,8 +65,9 @@ def child(model_dir, rank, targets, steps, out):
                       world_size=1, check_paths=False)
     actor = Policy(cfg, device, trainable=True)
     ref = AdapterDisabled(actor) if actor.lora else Policy(cfg, device, trainable=False)
-    batch = varied_batch(vocab=actor.model.config.vocab_size, **BATCH)
-    batch["response_mask"] = batch["attention_mask"][:, BATCH["prompt_len"]:]
+    length = BATCH["prompt_len"] + BATCH["response_len"]          # every row: this prompt, this response
+    batch = varied_batch(BATCH["rows"], actor.model.config.vocab_size, min_len=length, max_len=length,
+                         min_prompt=BATCH["prompt_len"], max_prompt=BATCH["prompt_len"])
     times = []
     for _ in range(steps + 1):                  # the first step warms up allocators
         start = time.perf_counter()
@@ -74,6 +76,7 @@ def child(model_dir, rank, targets, steps, out):
         batch["advantages"] = torch.randn(batch["response_mask"].shape) * batch["response_mask"]
         actor.update(batch, dp_size=1)
         times.append(time.perf_counter() - start)
+    steps_peak = peak_rss_mb()                  # before the syncs below gather whole tensors
 
     def nbytes(items):
         return sum(t.numel() * t.element_size() for _, t in items)
@@ -82,8 +85,8 @@ def child(model_dir, rank, targets, steps, out):
         sync, first_sync_extra = actor.adapter().nbytes, nbytes(actor.base_weights())
     else:
         sync, first_sync_extra = nbytes(full_state_dict_items(actor.model)), 0
-    Path(out).write_text(json.dumps({"step_s": statistics.median(times[1:]), "peak_rss_mb": peak_rss_mb(),
-                                     "baseline_rss_mb": baseline, "sync_bytes": sync,
+    Path(out).write_text(json.dumps({"step_s": statistics.median(times[1:]), "steps_peak_rss_mb": steps_peak,
+                                     "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline, "sync_bytes": sync,
                                      "dummy_first_sync_extra_bytes": first_sync_extra,
                                      "params": sum(p.numel() for p in actor.model.parameters())}))
 
@@ -105,18 +108,22 @@ def compare(model_dir, steps):
     for name, (rank, targets) in VARIANTS.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--child", str(model_dir), str(rank), targets, str(steps), f.name]
-            subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True,
-                           env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                 env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+            if run.returncode != 0:
+                raise SystemExit(f"the {name} variant failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
             results[name] = json.loads(Path(f.name).read_text())
     full = results["full"]
-    lines = ["| variant | peak RSS MB (above imports) | step s | bytes per sync | full/variant: memory above "
-             "imports, step time, sync bytes |", "|---|---|---|---|---|"]
+    lines = ["| variant | peak RSS MB over the steps (above imports) | with the syncs (above imports) | step s | "
+             "bytes per sync | full/variant: memory above imports over the steps, step time, sync bytes |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        above = r["peak_rss_mb"] - r["baseline_rss_mb"]
-        full_above = full["peak_rss_mb"] - full["baseline_rss_mb"]
+        above = r["steps_peak_rss_mb"] - r["baseline_rss_mb"]
+        full_above = full["steps_peak_rss_mb"] - full["baseline_rss_mb"]
         extra = (f" (+{r['dummy_first_sync_extra_bytes'] / 2**20:.2f} MiB base once with dummy*)"
                  if r["dummy_first_sync_extra_bytes"] else "")
-        lines.append(f"| {name} | {r['peak_rss_mb']:.0f} ({above:.0f}) | {r['step_s']:.3f} | "
+        lines.append(f"| {name} | {r['steps_peak_rss_mb']:.0f} ({above:.0f}) | "
+                     f"{r['peak_rss_mb']:.0f} ({r['peak_rss_mb'] - r['baseline_rss_mb']:.0f}) | {r['step_s']:.3f} | "
                      f"{r['sync_bytes'] / 2**20:.3f} MiB{extra} | x{full_above / above:.2f}, "
                      f"x{full['step_s'] / r['step_s']:.2f}, x{full['sync_bytes'] / r['sync_bytes']:.1f} |")
     return f"{full['params']:,} parameters\n\n" + "\n".join(lines)
@@ -131,7 +138,7 @@ def main():
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    batch = f"{BATCH['batch_size']} rows x ({BATCH['prompt_len']} + {BATCH['response_len']}) tokens"
+    batch = f"{BATCH['rows']} rows x ({BATCH['prompt_len']} + {BATCH['response_len']}) tokens"
     print(f"## demo model, {batch}, median of {args.steps} steps\n")
     print(compare(f"{args.demo}/model", args.steps))
     with tempfile.TemporaryDirectory() as tmp:

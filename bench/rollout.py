@@ -83,7 +83,8 @@ def main():
     _, _, device = init_distributed("cpu", "gloo")
     model = args.model or args.demo / "model"
     cfg = load_config(ROOT / "config.yaml", [f"actor_rollout_ref.model.path={model}",
-                                             f"data.train_files={args.demo}/data/train.parquet", f"af_output_dir={out}",
+                                             f"data.train_files={args.demo}/data/train.parquet", "data.val_files=null",
+                                             f"af_output_dir={out}",
                                              "actor_rollout_ref.rollout.name=vllm",
                                              f"data.max_response_length={args.max_tokens}"], world_size=1)
     torch.set_num_threads(args.threads)

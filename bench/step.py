@@ -79,16 +79,16 @@ def demo_table(packed_rows, padded_rows):
 
 # -- 2. varied lengths ------------------------------------------------------------------------------------------
 
-def varied_batch(rows, vocab, min_len=16, max_len=384, max_prompt=64, seed=0):
+def varied_batch(rows, vocab, min_len=16, max_len=384, max_prompt=64, seed=0, min_prompt=8):
     """Left-padded prompts and right-padded responses; each sequence's total length uniform in
-    [min_len, max_len], its prompt uniform in [8, max_prompt] (at most half of it)."""
+    [min_len, max_len], its prompt uniform in [min_prompt, max_prompt] (at most half of it)."""
     g = torch.Generator().manual_seed(seed)
     P, R = max_prompt, max_len - 8
     ids = torch.randint(10, vocab, (rows, P + R), generator=g)
     mask = torch.zeros(rows, P + R, dtype=torch.long)
     for i in range(rows):
         total = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
-        p = min(int(torch.randint(8, max_prompt + 1, (1,), generator=g)), total // 2)
+        p = min(int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=g)), total // 2)
         mask[i, P - p:P] = 1
         mask[i, P:P + total - p] = 1
     ids = ids * mask
