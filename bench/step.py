@@ -48,6 +48,7 @@ from forward import _model_inputs, token_logprobs  # noqa: E402
 from timing import seconds_per_call  # noqa: E402
 
 VOCAB_152K = 151936          # Qwen2's vocabulary
+WARMUP_STEPS = 2             # a demo run's first steps, left out of its timings
 
 
 # -- 1. the demo, packed vs padded ------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def run_demo_steps(steps, demo, remove_padding):
            f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows[2:]  # the first steps warm up allocators and caches
+    return rows[WARMUP_STEPS:]  # the first steps warm up allocators and caches
 
 
 def demo_table(packed_rows, padded_rows):
@@ -349,7 +350,8 @@ def shared_prompts_table(model_dir, rows, repeats, n=4):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8,
+                        help=f"demo steps per run (part 1); the first {WARMUP_STEPS} warm up and are not timed")
     parser.add_argument("--demo", default=str(ROOT / "demo"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="packed and padded demo runs, alternating (part 1)")
@@ -360,13 +362,15 @@ def main():
                         help="torch threads in parts 2-5 (1: what each of the trainer's 2 ranks uses on 2 cores)")
     parser.add_argument("--memory-probe", choices=["before", "after"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.skip_run and args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps {args.steps}: the first {WARMUP_STEPS} steps of a run are warm-up; pass more")
     torch.set_num_threads(args.threads)
     if args.memory_probe:
         return memory_probe(args.memory_probe, args.rows)
     model_dir = f"{args.demo}/model"
     if not args.skip_run:
         print(f"## 1. demo step, 2 ranks, hf rollout, packed vs padded (medians of {args.rounds} alternating runs "
-              f"x {args.steps - 2} steps)\n")
+              f"x {args.steps - WARMUP_STEPS} steps)\n")
         packed, padded = [], []
         for _ in range(args.rounds):            # the runs alternate, so a change in the machine's load hits both
             packed += run_demo_steps(args.steps, args.demo, True)
