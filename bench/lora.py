@@ -120,11 +120,13 @@ def compare(model_dir, steps):
     for name, r in results.items():
         above = r["steps_peak_rss_mb"] - r["baseline_rss_mb"]
         full_above = full["steps_peak_rss_mb"] - full["baseline_rss_mb"]
+        # a model small beside the imports may not raise the peak at all
+        memory_ratio = f"x{full_above / above:.2f}" if above > 0 else "n/a"
         extra = (f" (+{r['dummy_first_sync_extra_bytes'] / 2**20:.2f} MiB base once with dummy*)"
                  if r["dummy_first_sync_extra_bytes"] else "")
         lines.append(f"| {name} | {r['steps_peak_rss_mb']:.0f} ({above:.0f}) | "
                      f"{r['peak_rss_mb']:.0f} ({r['peak_rss_mb'] - r['baseline_rss_mb']:.0f}) | {r['step_s']:.3f} | "
-                     f"{r['sync_bytes'] / 2**20:.3f} MiB{extra} | x{full_above / above:.2f}, "
+                     f"{r['sync_bytes'] / 2**20:.3f} MiB{extra} | {memory_ratio}, "
                      f"x{full['step_s'] / r['step_s']:.2f}, x{full['sync_bytes'] / r['sync_bytes']:.1f} |")
     return f"{full['params']:,} parameters\n\n" + "\n".join(lines)
 
