@@ -395,15 +395,13 @@ class Trainer:
         scores, extras = self.score(local)
         scores = all_gather_rows(scores, self.world_size)[:total].tolist()
         extras = all_gather_rows(extras, self.world_size)[:total]
+        batch = take(batch, list(range(total)))           # the padding rows out again
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
-            self.dump_generations(self.cfg.trainer.validation_data_dir, take(batch, list(range(total))), scores,
-                                  extras)
-        metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key][:total], n, extras)
-        lengths = batch["response_mask"][:total].sum(-1).float()
-        metrics["val-aux/response_length/mean"] = float(lengths.mean())
+            self.dump_generations(self.cfg.trainer.validation_data_dir, batch, scores, extras)
+        metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key], n, extras)
+        metrics["val-aux/response_length/mean"] = float(batch["response_mask"].sum(-1).float().mean())
         if "num_turns" in batch:        # multi-turn: verl's val-aux/num_turns/*, and the tool calls beside them
-            turns = agent.multi_turn_metrics(take(batch, list(range(total))))
-            metrics.update({f"val-aux/{name}": value for name, value in turns.items()})
+            metrics.update({f"val-aux/{name}": value for name, value in agent.multi_turn_metrics(batch).items()})
         return metrics
 
     # -- the loop -------------------------------------------------------------------------------------------
