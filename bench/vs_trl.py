@@ -307,20 +307,24 @@ def run(side, work, root, mode, procs, steps, w, timeout):
     return records
 
 
-BUSY_LOOP = "while True: pass  # vs_trl --busy"
+BUSY_LOOP = "print('busy', flush=True)\nwhile True: pass  # vs_trl --busy"
 
 
 @contextlib.contextmanager
 def busy_loops(count):
     """`count` processes that only burn a core each, for as long as the block runs: a loaded host, reproducibly.
     Both sides then share the cores with them in every run, as they share a busy machine with other jobs."""
-    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdout=subprocess.PIPE) for _ in range(count)]
     try:
+        for loop in loops:        # each is burning its core before the first run starts (a start takes ~50 ms)
+            if loop.stdout.readline() != b"busy\n":
+                raise SystemExit(f"a busy-loop process did not start (exit {loop.wait()})")
         yield loops
     finally:
         for loop in loops:
             loop.kill()
             loop.wait()
+            loop.stdout.close()
 
 
 def medians(records):
