@@ -244,11 +244,8 @@ class Worker:
         self.sp_group = self.dp_group = None
         self.shares_prompts = sp == 1 and shares_prompts(model, use_remove_padding)   # each prompt once per row
         if sp > 1:
-            if vision.is_vision_language(model.config):
-                raise ConfigError(f"'{sp_key}'={sp}: Ulysses sequence parallel is built for text models; a "
-                                  f"vision-language model's image positions are not split yet: set it to 1")
             self.sp_group, self.dp_group = ulysses.device_groups(device.type, sp)
-            ulysses.enable(model, sp, self.sp_group, sp_key)
+            ulysses.enable(unwrapped(model), sp, self.sp_group, sp_key)
         model.to(device)
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu",
                                  reshard_after_forward=fsdp_cfg.reshard_after_forward)

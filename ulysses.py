@@ -10,9 +10,13 @@ sequence for 1/sp of the heads), runs the normal attention function, and trades 
     attention:    q/k/v [1, H, S/sp, D] -all-to-all-> [1, H/sp, S, D] -attention-> -all-to-all-> [1, S/sp, H, D]
     outputs:      the head runs on this rank's kept positions (those predicting a response token) and the
                   results are all-gathered over the group (`shard_packed`'s gather, `GatherRows`)
+    vision-language models: the image features go into the input embeddings at their placeholders, which may
+                  fall in any rank's slice, so the model gets the whole padded row and every rank of the group
+                  runs the vision tower on all its images (as verl); the decoder's input embeddings and rope
+                  positions (mrope: [4, 1, nnz]) are sliced where the decoder starts (`_slice_decoder_inputs`)
 
 Leaves out: the padded (non-packed) path (verl requires use_remove_padding too), sequence parallel generation,
-vision models' extra position ids (mrope), and sp groups spanning hosts.
+splitting the vision tower's own work, and sp groups spanning hosts.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from config import ConfigError
 
 FULL_POSITIONS_KWARG = "ulysses_position_ids"   # the whole packed row's position ids, passed to every attention call
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")   # flash-attention's varlen keys
+GROUP_LIST_FIELDS = ("multi_modal_inputs",)     # the list fields of a batch the workers read (vision.forward_kwargs)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process groups and rows
@@ -45,13 +50,17 @@ def device_groups(device_type, sp):
 def gather_group_rows(batch, group, device):
     """The rows of every rank of the sp group, concatenated in rank order: each rank brings its own share of the
     batch, and the group works on all of them (verl dispatches one dp group's rows to each of its sp ranks).
-    Tensor fields only (the workers read no lists)."""
-    gathered = {}
+    Tensor fields, and of the list fields only what the workers read (GROUP_LIST_FIELDS, pickled across)."""
+    gathered, size = {}, dist.get_world_size(group)
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
-            parts = [torch.empty_like(value, device=device) for _ in range(dist.get_world_size(group))]
+            parts = [torch.empty_like(value, device=device) for _ in range(size)]
             dist.all_gather(parts, value.to(device).contiguous(), group=group)
             gathered[key] = torch.cat(parts).to(value.device)
+        elif key in GROUP_LIST_FIELDS:
+            parts = [None] * size
+            dist.all_gather_object(parts, value, group=group)
+            gathered[key] = [row for part in parts for row in part]
     return gathered
 
 
@@ -113,27 +122,47 @@ class GatherRows(torch.autograd.Function):
 
 
 def shard_packed(inputs, kept, group):
-    """A packed row's model inputs (input_ids/position_ids [1, nnz], ...) and the sorted positions kept for the
-    head [n] -> (this rank's inputs, its kept positions within its slice, which of `kept` are its [n] bool, and
-    `gather`: every rank's outputs at its kept positions [n_rank, ...] -> [n, ...] in kept's order).
+    """A packed row's model inputs (input_ids [1, nnz], position_ids [1, nnz] or a vision-language model's
+    [4, 1, nnz], ...) and the sorted positions kept for the head [n] -> (this rank's inputs, its kept positions
+    within its slice, which of `kept` are its [n] bool, and `gather`: every rank's outputs at its kept positions
+    [n_rank, ...] -> [n, ...] in kept's order).
 
     The row is right-padded to a multiple of sp and each rank keeps a contiguous 1/sp of it; the inputs also
-    carry the full position ids to the attention all-to-all. The pad (token 0) continues the last sequence's
-    positions, where verl starts a new sequence 0..k-1: causal attention keeps every real token from seeing it
-    either way (and no output of it is kept), and a row holding one long sequence then needs no mask."""
+    carry the full (1-D) position ids to the attention all-to-all. A vision-language model gets the whole padded
+    row, and its decoder's inputs are sliced the same way once the image features are in place
+    (_slice_decoder_inputs). The pad (token 0) continues the last sequence's positions, where verl starts a new
+    sequence 0..k-1: causal attention keeps every real token from seeing it either way (and no output of it is
+    kept), and a row holding one long sequence then needs no mask."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     pad = -ids.shape[1] % sp
     if pad:
         ids = torch.cat([ids, ids.new_zeros(1, pad)], 1)
-        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
+        steps = torch.arange(1, pad + 1, device=positions.device)
+        positions = torch.cat([positions, positions[..., -1:] + steps], -1)    # [1, S] or [4, 1, S]
     chunk = ids.shape[1] // sp
     mine = slice(rank * chunk, (rank + 1) * chunk)
-    local = {**inputs, "input_ids": ids[:, mine], "position_ids": positions[:, mine], FULL_POSITIONS_KWARG: positions}
+    if positions.dim() == 3:               # mrope's rows: the 1-D text positions first (vision.forward_kwargs)
+        local = {**inputs, "input_ids": ids, "position_ids": positions, FULL_POSITIONS_KWARG: positions[0]}
+    else:
+        local = {**inputs, "input_ids": ids[:, mine], "position_ids": positions[:, mine],
+                 FULL_POSITIONS_KWARG: positions}
     owner = kept // chunk                                                   # [n] the rank holding each position
     counts = torch.bincount(owner, minlength=sp).tolist()
     return (local, kept[owner == rank] - rank * chunk, owner == rank,
             lambda values: GatherRows.apply(values, counts, group))
+
+
+def _slice_decoder_inputs(module, args, kwargs, group):
+    """Forward pre-hook of a vision-language model's text decoder under sequence parallel: it is called with the
+    whole padded row's input embeddings [1, S, H], the image features already at their placeholders, and rope
+    positions [4, 1, S]; this rank keeps its contiguous 1/sp of both (the slice shard_packed takes of a text
+    model's ids), so everything after the embeddings runs as in a text model."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    embeds, positions = kwargs["inputs_embeds"], kwargs["position_ids"]
+    chunk = embeds.shape[1] // sp
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    return args, {**kwargs, "inputs_embeds": embeds[:, mine], "position_ids": positions[..., mine]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,9 +186,8 @@ def kv_repeats(num_heads, num_kv_heads, sp, key):
 
 def check_models(cfg):
     """Before any weights load: every model that runs with sp > 1 can be split sp ways (read from its
-    config.json alone): a text model (VL is refused), attention heads and KV heads as kv_repeats requires."""
+    config.json alone): its decoder's attention heads and KV heads as kv_repeats requires."""
     from transformers import AutoConfig
-    import vision
     arr = cfg.actor_rollout_ref
     roles = [(f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", arr[role].ulysses_sequence_parallel_size,
               arr.model) for role in ("actor", "ref")]
@@ -170,11 +198,14 @@ def check_models(cfg):
         if (sp or 1) <= 1:
             continue
         config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-        if vision.is_vision_language(config):
-            raise ConfigError(f"'{key}'={sp}: Ulysses sequence parallel is built for text models; a vision-language "
-                              f"model's image positions are not split yet: set it to 1")
-        kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                   or config.num_attention_heads, sp, key)
+        _decoder_kv_repeats(config, sp, key)
+
+
+def _decoder_kv_repeats(config, sp, key):
+    """kv_repeats for the heads of a model's text decoder (a vision-language config nests them in text_config)."""
+    text = config.get_text_config()
+    return kv_repeats(text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+                      or text.num_attention_heads, sp, key)
 
 
 class _LocalHeads:
@@ -231,13 +262,15 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
 
 
 def enable(model, sp, group, key):
-    """Route `model`'s attention through the all-to-all (registered as 'ulysses_sp<sp>+<inner>' with transformers'
-    AttentionInterface; no model code is forked). The model then expects inputs from shard_packed."""
+    """Route the attention of `model`'s text decoder through the all-to-all (registered as
+    'ulysses_sp<sp>+<inner>' with transformers' AttentionInterface; no model code is forked); a vision-language
+    model's vision tower keeps its own attention, and its decoder slices its inputs (_slice_decoder_inputs).
+    `model` is the Hugging Face model (under any LoRA wrapper); it then expects inputs from shard_packed."""
     from transformers import AttentionInterface
-    config = model.config
-    repeat = kv_repeats(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                        or config.num_attention_heads, sp, key)
-    inner = config._attn_implementation
+    import vision
+    repeat = _decoder_kv_repeats(model.config, sp, key)
+    text_decoder = vision.language_model(model)
+    inner = text_decoder.config._attn_implementation
     if inner not in AttentionInterface._global_mapping:
         raise ConfigError(f"'{key}'={sp} needs a registered attention function (sdpa, flash_attention_2, ...); the "
                           f"model was loaded with '{inner}'")
@@ -245,5 +278,10 @@ def enable(model, sp, group, key):
     # not registered as a mask function: transformers then builds no mask for the local slice (it would be wrong)
     AttentionInterface.register(name, functools.partial(ulysses_attention, inner=inner, group=group,
                                                         kv_repeat=repeat))
-    model.set_attn_implementation(name)
+    if vision.is_vision_language(model.config):
+        text_decoder.set_attn_implementation(name)
+        text_decoder.register_forward_pre_hook(functools.partial(_slice_decoder_inputs, group=group),
+                                               with_kwargs=True)
+    else:
+        model.set_attn_implementation(name)
     return model

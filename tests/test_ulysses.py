@@ -1,7 +1,10 @@
 """Ulysses sequence parallelism (ulysses.py): on 2 CPU ranks (gloo), sp=2 gives the same log-probs, entropy,
 gradients and weights after one update as sp=1, with packed rows of odd lengths (so padding to a multiple of sp
-runs); the trainer runs GRPO and PPO (reference and critic) with sp=2; and bad settings are clear errors."""
+runs), for the text model and for the tiny Qwen2.5-VL on image prompts; the trainer runs GRPO and PPO (reference
+and critic) with sp=2, and GRPO on images with vLLM; and bad settings are clear errors."""
+import importlib.util
 import json
+import random
 
 import pytest
 import torch
@@ -40,11 +43,8 @@ def sp_results(fixed_batch, tiny_model_dir, tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sp1"])
-def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, variant):
-    """The tiny model has 2 query heads and 1 KV head: sp=2 splits the query heads and repeats the KV head."""
-    base, other = sp_results["sp1"], sp_results[variant]
-    mask = torch.load(fixed_batch)["response_mask"].bool()
+def assert_matches_data_parallel(base, other, batch_path, variant):
+    mask = torch.load(batch_path, weights_only=False)["response_mask"].bool()
     for key in ("log_probs", "entropy"):
         assert torch.allclose(other[key][mask], base[key][mask], atol=1e-5, rtol=1e-5), f"{variant}: {key}"
     for name, grad in base["grads"].items():
@@ -55,6 +55,87 @@ def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, varian
     assert other["metrics"]["actor/pg_loss"] == pytest.approx(base["metrics"]["actor/pg_loss"], rel=1e-4, abs=1e-6)
     assert other["metrics"]["actor/kl_loss"] == pytest.approx(base["metrics"]["actor/kl_loss"], rel=1e-4, abs=1e-6)
     assert other["metrics"]["actor/grad_norm"] == pytest.approx(base["metrics"]["actor/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sp1"])
+def test_sequence_parallel_matches_data_parallel(sp_results, fixed_batch, variant):
+    """The tiny model has 2 query heads and 1 KV head: sp=2 splits the query heads and repeats the KV head."""
+    assert_matches_data_parallel(sp_results["sp1"], sp_results[variant], fixed_batch, variant)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A vision-language model: the image features land in whichever rank's slice holds their placeholders
+
+needs_torchvision = pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                                       reason="torchvision is not installed: re-run `bash setup.sh`")
+VL_VARIANTS = {key: VARIANTS[key] for key in ("sp1", "sp2_micro1", "sp2_checkpointing_compiled")}
+
+
+@pytest.fixture(scope="module")
+def fixed_vl_batch(tiny_vl_dir, tmp_path_factory):
+    """8 responses (4 prompts x n=2) of the tiny Qwen2.5-VL: prompts with one image, none, two of different sizes,
+    one; random responses of 1-5 tokens (packed rows of odd and even lengths); old and reference log-probs near
+    the model's, random advantages (as fixed_batch)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    import vision
+    from data import RLHFDataset, collate
+    from demo_vl import COLOURS, VL_PROMPT, render_square
+    from forward import token_logprobs
+    from models import load_model
+    from rollout import responses_to_batch
+
+    def wide(colour):
+        out = io.BytesIO()
+        Image.new("RGB", (112, 56), COLOURS[colour]).save(out, format="PNG")
+        return out.getvalue()
+
+    rng, g = random.Random(0), torch.Generator().manual_seed(1)
+    images = [[render_square("red", rng)], [], [render_square("green", rng), wide("blue")],
+              [render_square("blue", rng)]]
+    prompts = [VL_PROMPT, "Say hi.", "<image> and <image>: which is red?", VL_PROMPT]
+    out = tmp_path_factory.mktemp("ulysses_vl")
+    pq.write_table(pa.table({"data_source": ["minirl/colour"] * 4,
+                             "prompt": [[{"role": "user", "content": p}] for p in prompts],
+                             "reward_model": [{"style": "rule", "ground_truth": "red"}] * 4,
+                             "images": [[{"bytes": b, "path": None} for b in row] for row in images]}),
+                   out / "rows.parquet")
+    processor = vision.load_processor(tiny_vl_dir)
+    dataset = RLHFDataset(out / "rows.parquet", processor.tokenizer, max_prompt_length=64, processor=processor)
+    batch = collate([dataset[i // 2] for i in range(8)])
+    responses = [torch.randint(10, 200, (n,), generator=g).tolist() for n in (5, 2, 4, 1, 3, 5, 2, 4)]
+    batch = {**batch, **responses_to_batch(batch, responses, 5, processor.tokenizer.pad_token_id,
+                                           [processor.tokenizer.eos_token_id])}
+    model = load_model(tiny_vl_dir).eval()
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=0.9, use_remove_padding=False)
+    b, R = batch["responses"].shape
+    batch["old_log_probs"] = logp + 0.3 * torch.randn(b, R, generator=g)
+    batch["ref_log_prob"] = logp + 0.5 * torch.randn(b, R, generator=g)
+    batch["advantages"] = torch.randn(b, R, generator=g) * batch["response_mask"]
+    batch["uid"] = [str(i // 2) for i in range(b)]
+    keep = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) or k in ("uid", "multi_modal_inputs")}
+    torch.save(keep, out / "batch.pt")         # without the rows' PIL images (the rollout's), as oracle_step loads it
+    return out / "batch.pt"
+
+
+@needs_torchvision
+def test_sequence_parallel_on_image_prompts_matches_data_parallel(fixed_vl_batch, tiny_vl_dir, tmp_path):
+    """sp=2 against sp=1 on the tiny Qwen2.5-VL: each rank runs the vision tower on all the group's images and
+    keeps its slice of the decoder's inputs, so an image's tokens may fall on either rank; the vision tower's
+    gradient must still be the whole batch's."""
+    out = tmp_path / "results.pt"
+    torchrun(2, "tests/oracle_step.py", fixed_vl_batch, out, tiny_vl_dir,
+             *[f"{name}:{overrides}" for name, overrides in VL_VARIANTS.items()])
+    results = torch.load(out)
+    assert any(".visual." in name and grad.abs().max() > 0 for name, grad in results["sp1"]["grads"].items())
+    for variant in VL_VARIANTS:
+        if variant != "sp1":
+            assert_matches_data_parallel(results["sp1"], results[variant], fixed_vl_batch, variant)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,6 +202,44 @@ def test_ppo_with_sequence_parallel_actor_reference_and_critic(demo_dir, tmp_pat
     assert [r["step"] for r in rows] == [1, 2]
     assert_trains(rows, ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/entropy"))
     assert all(row["critic/grad_norm"] > 0 for row in rows)
+
+
+@needs_torchvision
+def test_grpo_on_image_prompts_with_vllm_and_sequence_parallel_equals_data_parallel(tiny_vl_dir, tmp_path):
+    """The tiny Qwen2.5-VL trained with GRPO on the colour task for 3 steps, vLLM generating: the run with the
+    actor and reference at sp=2 logs the losses, gradient norms and entropy of the run at sp=1 (fp32 rounding),
+    and vLLM's log-probs follow the sp=2 actor's after every sync."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from demo_vl import vl_demo_rows
+    for split, count in (("train", 8), ("test", 4)):
+        pq.write_table(pa.Table.from_pylist(vl_demo_rows(split, count)), tmp_path / f"{split}.parquet")
+    runs = {}
+    for sp in (1, 2):
+        out = tmp_path / f"sp{sp}"
+        torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={tiny_vl_dir}",
+                 f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/test.parquet",
+                 f"af_output_dir={out}", "actor_rollout_ref.rollout.name=vllm",
+                 "actor_rollout_ref.rollout.dtype=float32",
+                 "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                 "trainer.save_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4",
+                 "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+                 # one response per update forward, three per reference forward: the rows (prompt + response,
+                 # 65 tokens each here) are padded and split mid-sequence, not at a sequence boundary
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3", "actor_rollout_ref.actor.optim.lr=1e-3",
+                 "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}")
+        runs[sp] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs[2]] == [1, 2, 3]
+    for one, two in zip(runs[1], runs[2]):
+        assert two["training/rollout_probs_diff_max"] < 1e-4
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (two["step"], key)
+    assert runs[2][-1]["actor/grad_norm"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
