@@ -18,9 +18,11 @@ So the batch trained at step k >= 2 was sampled by w_k-2 while the trainer holds
 training/rollout_probs_diff_* (vLLM) reports that gap. Validation and checkpoints first take the batch in
 flight, so a checkpoint holds it and a resumed run continues with exactly the batch the uninterrupted run had.
 
-Left out: a critic (GAE), ReMax (greedy baselines need a second generation), vision-language models (the rollout
-ranks get token ids, not images; config.py refuses them), multi-node pools, and releasing the trainer while the last
-batch of a run is generated (the final step launches nothing).
+Prompts with images travel with their images (vision.rollout_inputs: PIL images for vLLM's processor, the
+processor's pixel inputs for the hf engine), and the weights with the vision tower's.
+
+Left out: a critic (GAE), ReMax (greedy baselines need a second generation), multi-node pools, and releasing the
+trainer while the last batch of a run is generated (the final step launches nothing).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import failures
+import vision
 from batch import batch_size_of, repeat_interleave
 from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
 from runtime import share_cpu
@@ -217,8 +220,9 @@ class RolloutServer:
             self.rollout.sync_weights(receive_weights(self.bridge, self.layout))
             share = np.array_split(np.arange(len(request["prompts"])), groups)[self.local_rank // tp]
             seed = request["seeds"][self.local_rank // tp]
+            images = {"multi_modal": [request["multi_modal"][i] for i in share]} if request["multi_modal"] else {}
             tokens, logprobs = self.rollout.generate([request["prompts"][i] for i in share], request["sampling"],
-                                                     seed) if len(share) else ([], None)
+                                                     seed, **images) if len(share) else ([], None)
             parts = [None] * self.world_size
             dist.all_gather_object(parts, (tokens, logprobs))
             answers = parts[::tp]                        # one copy per TP group, in group order
@@ -247,10 +251,12 @@ class Pipeline:
     of rollout TP group `group`."""
 
     def __init__(self, trainer, bridge, seed_of):
+        from transformers import AutoConfig
         cfg = trainer.cfg
         self.trainer, self.bridge, self.seed_of = trainer, bridge, seed_of
         model = cfg.actor_rollout_ref.model
-        self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path))
+        model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path), model_config)
         rollout = cfg.actor_rollout_ref.rollout
         self.groups = rollout_ranks(cfg) // (rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1)
         self.in_flight = None          # (prompt batch (repeated, with uids), its data epoch) being generated
@@ -264,7 +270,8 @@ class Pipeline:
     # -- one request: weights, then prompts; and the answer ---------------------------------------------------
     def _send(self, batch, sampling, step, purpose):
         request = {"prompts": batch["raw_prompt_ids"], "sampling": sampling, "step": step, "purpose": purpose,
-                   "seeds": [self.seed_of(step, g, purpose) for g in range(self.groups)]}
+                   "seeds": [self.seed_of(step, g, purpose) for g in range(self.groups)],
+                   "multi_modal": vision.rollout_inputs(batch, range(batch_size_of(batch)))}    # None: no images
         if self.bridge is not None:
             self.bridge.broadcast_object(request, src=0)
         send_weights(self.bridge, self.trainer.actor.full_weights())

@@ -64,12 +64,15 @@ class Sampling:
                    ignore_eos=bool(rollout_cfg.ignore_eos))
 
 
-def eos_token_ids(tokenizer, generation_config=None):
-    """All ids that end a response: the tokenizer's eos plus the model's generation_config eos (maybe a list)."""
+def eos_token_ids(tokenizer, generation_config=None, model_config=None):
+    """All ids that end a response: the tokenizer's eos, the model's generation_config eos (maybe a list), and
+    with model_config a vision-language model's placeholder and boundary tokens (vision.special_token_ids)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     extra = getattr(generation_config, "eos_token_id", None)
     if extra is not None:
         ids.update(extra if isinstance(extra, (list, tuple)) else [extra])
+    if model_config is not None:
+        ids.update(vision.special_token_ids(model_config))
     return sorted(ids)
 
 
@@ -89,8 +92,7 @@ class HFRollout:
                                                                     trust_remote_code=trust_remote_code)
         self.tokenizer = tokenizer
         self.device = device
-        self.eos_ids = sorted({*eos_token_ids(tokenizer, self.model.generation_config),
-                               *vision.special_token_ids(self.model.config)})
+        self.eos_ids = eos_token_ids(tokenizer, self.model.generation_config, self.model.config)
         # Sample with the rollout config alone, as the vLLM engine does: `generate` fills every setting the call
         # leaves unset from the checkpoint's generation_config.json, and a repetition penalty or min_p there (Qwen2.5's
         # instruct models ship repetition_penalty=1.05) would draw responses from another distribution than the
@@ -237,8 +239,7 @@ class VLLMRollout:
         self.sleeps = bool(rollout.free_cache_engine) and device.type != "cpu"
         from transformers import AutoConfig
         model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        self.eos_ids = sorted({*eos_token_ids(tokenizer, _generation_config(model.path)),
-                               *vision.special_token_ids(model_config)})
+        self.eos_ids = eos_token_ids(tokenizer, _generation_config(model.path), model_config)
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
             try:

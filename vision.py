@@ -53,13 +53,9 @@ def folder_is_vision_language(path):
 
 def check_config(cfg):
     """ConfigError, before any model loads, for what a vision-language checkpoint (seen in its config.json) cannot
-    do here: be the reward model, be trained on split devices, or save its critic as a Hugging Face model."""
+    do here: be the reward model, or save its critic as a Hugging Face model."""
     if cfg.reward_model.enable:
         check_reward_model_is_text(cfg.reward_model.model.path)
-    if cfg.rollout.n_gpus_per_node and folder_is_vision_language(cfg.actor_rollout_ref.model.path):
-        raise ConfigError(f"'actor_rollout_ref.model.path'={cfg.actor_rollout_ref.model.path} is a vision-language "
-                          f"model, which split devices do not support yet (the rollout ranks get token ids, not "
-                          f"images); unset 'rollout.n_gpus_per_node' (colocated)")
     if (cfg.algorithm.adv_estimator == "gae" and "hf_model" in cfg.critic.checkpoint.save_contents
             and folder_is_vision_language(cfg.critic.model.path)):
         raise ConfigError(f"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="

@@ -285,21 +285,18 @@ def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, t
     assert "training steps 10" in printed
 
 
-@pytest.mark.parametrize("case", ["split", "reward_model", "critic_hf_model"])
-def test_vl_on_split_devices_or_as_reward_model_is_a_config_error(tiny_vl_dir, tmp_path, case):
+@pytest.mark.parametrize("case", ["reward_model", "critic_hf_model"])
+def test_vl_as_reward_model_or_hf_critic_is_a_config_error(tiny_vl_dir, tmp_path, case):
     """Read from config.json before any model loads (vision.folder_is_vision_language): the command exits with a
     config error naming the key. (A VL critic's value head has no Hugging Face class, so no hf_model for it.)"""
     import subprocess
     import sys
     from launch import ROOT, launch_env
     data = write_vl_rows(tmp_path / "train.parquet", [VL_PROMPT] * 4, [[png()]] * 4)
-    extra = {"split": ["trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"],
-             "reward_model": ["reward_model.enable=true", f"reward_model.model.path={tiny_vl_dir}"],
+    extra = {"reward_model": ["reward_model.enable=true", f"reward_model.model.path={tiny_vl_dir}"],
              "critic_hf_model": ["algorithm.adv_estimator=gae", f"critic.model.path={tiny_vl_dir}",
                                  "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]}[case]
-    message = {"split": rf"'actor_rollout_ref.model.path'={tiny_vl_dir} is a vision-language model, which split "
-                        r"devices do not support yet .* unset 'rollout.n_gpus_per_node'",
-               "reward_model": rf"'reward_model.model.path'={tiny_vl_dir} is a vision-language model; a model-based "
+    message = {"reward_model": rf"'reward_model.model.path'={tiny_vl_dir} is a vision-language model; a model-based "
                                r"reward needs a text token-classification checkpoint",
                "critic_hf_model": rf"'critic.checkpoint.save_contents' has hf_model, but 'critic.model.path'="
                                   rf"{tiny_vl_dir} is a vision-language model"}[case]

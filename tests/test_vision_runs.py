@@ -161,3 +161,39 @@ def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic_and_resumes_exact
     ppo_vl(tiny_vl_dir, vl_data, tmp_path / "straight", 3)
     resumed, straight = metric_rows(out / "metrics.jsonl"), metric_rows(tmp_path / "straight" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight
+
+
+def split_vl(tiny_vl_dir, vl_data, out, engine, *extra):
+    """GRPO on the image prompts, 3 steps, one process per role, validation before training: sampled (the
+    random model's greedy responses do not depend on the images)."""
+    torchrun(2 if extra else 1, "minirl.py", "--config", ROOT / "config.yaml",
+             f"actor_rollout_ref.model.path={tiny_vl_dir}", f"data.train_files={vl_data}/train.parquet",
+             f"data.val_files={vl_data}/test.parquet", f"af_output_dir={out}", f"trainer.validation_data_dir={out}/val",
+             f"actor_rollout_ref.rollout.name={engine}", "actor_rollout_ref.rollout.dtype=float32",
+             "trainer.total_training_steps=3", "trainer.val_before_train=true", "trainer.test_freq=-1",
+             "trainer.save_freq=-1", "trainer.logger=[console]", "data.train_batch_size=4",
+             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+             "actor_rollout_ref.rollout.val_kwargs.temperature=1",
+             "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.entropy_coeff=0.01", *extra)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_vl_on_split_devices_generates_from_the_images_one_update_behind(tiny_vl_dir, vl_data, tmp_path, engine):
+    """One trainer rank and one rollout rank (one-step-off-policy): each request carries its prompts' images to
+    the rollout rank, so its validation before training samples the same responses as a colocated run's on one
+    process (same weights, same seed); with vLLM, step 1 (sampled by the starting weights, which the actor holds)
+    has vLLM's log-probs equal to the actor's on the image prompts, and from step 2 the batch is one update
+    behind."""
+    split = split_vl(tiny_vl_dir, vl_data, tmp_path / "split", engine, "trainer.n_gpus_per_node=1",
+                     "rollout.n_gpus_per_node=1")
+    split_vl(tiny_vl_dir, vl_data, tmp_path / "colocated", engine)
+    outputs = {run: [json.loads(line)["output"] for line in (tmp_path / run / "val" / "0.jsonl").open()]
+               for run in ("split", "colocated")}
+    assert len(outputs["split"]) == 4 and outputs["split"] == outputs["colocated"]
+    assert [r["step"] for r in split] == [0, 1, 2, 3]
+    assert all(r["actor/grad_norm"] > 0 and "timing_s/wait_prev_gen" in r for r in split[1:])
+    if engine == "vllm":
+        assert split[1]["training/rollout_probs_diff_max"] < 1e-4 < split[2]["training/rollout_probs_diff_max"]
