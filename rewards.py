@@ -19,6 +19,7 @@ The answer comparisons (verl's MATH normal form, our stand-in for mathruler's gr
 import importlib.util
 import math
 import os
+import pickle
 import re
 import sys
 import threading
@@ -271,6 +272,13 @@ def _score_and_extra(result):
             raise ValueError(f"a dict result must contain 'score'; got keys {sorted(result)}")
         extra = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
+        for key, value in extra.items():          # validation gathers the extras over the ranks, pickled
+            try:
+                pickle.dumps(value)
+            except Exception as error:
+                raise ValueError(f"the dict's {key!r} holds a {type(value).__name__}, which cannot be sent between "
+                                 f"ranks ({type(error).__name__}: {error}); return numbers, strings, or lists and "
+                                 f"dicts of them") from error
     try:
         score = float(result) if hasattr(result, "__float__") else None  # a str has no __float__: "1" is refused
     except (TypeError, ValueError, RuntimeError):  # e.g. a tensor with several elements
@@ -315,7 +323,7 @@ def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None
             try:
                 score, extra = _score_and_extra(result)
             except ValueError as error:
-                raise RewardFunctionError(f"reward function {name} returned a bad score on {where}: {error}") \
+                raise RewardFunctionError(f"reward function {name} returned a bad result on {where}: {error}") \
                     from error
             scores.append(score)
             extras.append(extra)

@@ -124,7 +124,7 @@ def test_a_validation_set_the_filter_empties_stops_the_run_before_models_load(de
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf"), 1e300, -2e6, "0.5", [1.0]])
 def test_a_score_that_is_not_a_sane_finite_number_names_the_row(bad):
     origins = ["train.parquet, row 11", "train.parquet, row 12"]
-    with pytest.raises(RewardFunctionError, match=r"bad score on train\.parquet, row 12 \(data_source='d2'"):
+    with pytest.raises(RewardFunctionError, match=r"bad result on train\.parquet, row 12 \(data_source='d2'"):
         score_responses(lambda **kw: 1.0 if kw["data_source"] == "d1" else bad, ["a", "b"], ["d1", "d2"], ["", ""],
                         None, origins)
 

@@ -287,6 +287,15 @@ def test_score_responses_rejects_bad_scores(bad):
         score_responses(lambda **kw: 1.0 if kw["data_source"] == "d1" else bad, ["a", "b"], ["d1", "d2"], ["", ""])
 
 
+def test_a_dict_value_that_cannot_be_pickled_names_the_row_and_the_key():
+    """Validation gathers a dict result's extra keys over the ranks (pickled): a value that cannot travel is named
+    when it is returned, not in the gather's traceback."""
+    import threading
+    results = iter([{"score": 1.0, "pred": "7"}, {"score": 0.0, "pred": "8", "lock": threading.Lock()}])
+    with pytest.raises(RuntimeError, match=r"row 1.*data_source='d2'.*'lock' holds a lock, which cannot be sent"):
+        score_responses(lambda **kw: next(results), ["a", "b"], ["d1", "d2"], ["", ""])
+
+
 def test_score_responses_length_mismatch():
     with pytest.raises(ValueError, match="different lengths 2/1/2/2"):
         score_responses(default_compute_score, ["a", "b"], ["d"], ["", ""])
