@@ -1,15 +1,14 @@
 """Logging: console, TensorBoard, wandb and always <af_output_dir>/metrics.jsonl (rank 0 only), verl's metric
 computations over a step's batch (critic/*, response_length/*, timing_*, perf/*, val-core/*), and the reward-curve
-plot (`python minirl.py --plot RUN_DIR`). Left out: verl's bootstrapped best@N/worst@N (exact values here) and its
-other loggers (mlflow, swanlab, ...).
+plot (`python minirl.py --plot RUN_DIR`). Left out: verl's other loggers (mlflow, swanlab, ...).
 """
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 import os
 import sys
-from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -155,36 +154,71 @@ def data_metrics(batch, response_length):
     return m
 
 
+BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED = 1000, 42     # verl's bootstrap_metric defaults
+
+
 def validation_metrics(scores, sources, n, extras=None):
-    """Per data_source and variable, verl's validation metrics. The variables: the reward, and each number a reward
-    function's dict result holds in every row besides "score" (verl's reward_extra_info, e.g. "acc"); the core
-    one is "acc" where there is one, else the reward (verl's rule). For each: <var>/mean@n; with n > 1 also
-    best@n/mean (the mean over prompts of the best of its n values), worst@n/mean, std@n (the mean over prompts of
-    the spread of its n values) and, where the results hold a "pred", maj@n/mean (the value of the first response
-    giving the prompt's most common pred). The core variable's mean, best and maj are val-core/<source>/..., the
-    rest val-aux/<source>/.... `scores`/`sources`/`extras` hold n consecutive entries per prompt. verl estimates
-    best/worst/maj@n by bootstrap; these are the exact values for the n samples drawn."""
+    """Per data_source and variable, verl's validation metrics (process_validation_metrics and the val-core rule of
+    RayPPOTrainer._validate, v0.5.0). The variables: the reward, and each number a reward function's dict result
+    holds in every row besides "score" (verl's reward_extra_info, e.g. "acc"); the core one is "acc" where there
+    is one, else the reward. Per prompt and variable: mean@n; with n > 1 also std@n (over its n values) and, for
+    k = 2, 4, 8, ... below n and k = n, best@k and worst@k (/mean and /std over BOOTSTRAP_SAMPLES draws of k of
+    its n values with replacement: bootstrap_draws) and, where the results hold a "pred", maj@k (the value of the
+    first drawn response giving the draw's most common pred). Each is then averaged over the source's prompts.
+    The core variable's mean, best and maj at n are val-core/<source>/..., the rest val-aux/<source>/....
+    `scores`/`sources`/`extras` hold n consecutive entries per prompt."""
     variables = {**_numbers_in_every_row(extras or []), "reward": scores}
     core = "acc" if "acc" in variables else "reward"
     prompt_sources = np.asarray(sources[::n])
     has_preds = n > 1 and extras and all(isinstance(row.get("pred"), Hashable) and "pred" in row for row in extras)
-    preds = [row["pred"] for row in extras] if has_preds else None
+    majority = {}                          # bootstrap size k -> [prompts, B] the response maj@k takes
+    if has_preds:
+        preds = np.empty(len(scores), dtype=object)
+        preds[:] = [row["pred"] for row in extras]
+        majority = {k: majority_positions(bootstrap_draws(n, k), preds.reshape(-1, n)) for k in bootstrap_sizes(n)}
     metrics = {}
     for name, values in variables.items():
-        section = "val-core" if name == core else "val-aux"
-        per_prompt = np.asarray(values, dtype=np.float64).reshape(-1, n)             # [prompts, n]
-        majority = _majority_values(per_prompt, preds) if preds else None               # [prompts]
+        per_prompt = np.asarray(values, dtype=np.float64).reshape(-1, n)                # [prompts, n]
+        stats = _prompt_statistics(per_prompt, majority)                               # {stat: [prompts]}
         for source in sorted(set(prompt_sources)):
             mine = prompt_sources == source
-            group = per_prompt[mine]
-            metrics[f"{section}/{source}/{name}/mean@{n}"] = float(group.mean())
-            if n > 1:
-                metrics[f"{section}/{source}/{name}/best@{n}/mean"] = float(group.max(axis=1).mean())
-                metrics[f"val-aux/{source}/{name}/worst@{n}/mean"] = float(group.min(axis=1).mean())
-                metrics[f"val-aux/{source}/{name}/std@{n}"] = float(group.std(axis=1).mean())
-            if majority is not None:
-                metrics[f"{section}/{source}/{name}/maj@{n}/mean"] = float(majority[mine].mean())
+            for stat, per_prompt_values in stats.items():
+                is_core = name == core and stat.startswith(("mean", "maj", "best")) and f"@{n}" in stat
+                section = "val-core" if is_core else "val-aux"
+                metrics[f"{section}/{source}/{name}/{stat}"] = float(per_prompt_values[mine].mean())
     return metrics
+
+
+def bootstrap_sizes(n):
+    """The k of best@k, worst@k, maj@k: 2, 4, 8, ... below n, and n."""
+    return [2 ** i for i in range(1, n.bit_length()) if 2 ** i < n] + [n]
+
+
+def _prompt_statistics(per_prompt, majority):
+    """{statistic name: [prompts]} for one variable's values [prompts, n]; majority: majority_positions per k
+    ({} without preds)."""
+    n = per_prompt.shape[1]
+    stats = {f"mean@{n}": per_prompt.mean(1)}
+    if n == 1:
+        return stats
+    stats[f"std@{n}"] = per_prompt.std(1)
+    for k in bootstrap_sizes(n):
+        drawn = per_prompt[:, bootstrap_draws(n, k)]                                    # [prompts, B, k]
+        picked = {"best": drawn.max(2), "worst": drawn.min(2)}                         # [prompts, B]
+        if k in majority:
+            picked["maj"] = np.take_along_axis(per_prompt, majority[k], 1)
+        for label, values in picked.items():
+            stats[f"{label}@{k}/mean"], stats[f"{label}@{k}/std"] = values.mean(1), values.std(1)
+    return stats
+
+
+@functools.lru_cache(maxsize=None)
+def bootstrap_draws(n, k):
+    """[BOOTSTRAP_SAMPLES, k] indices into n values: the draws verl's bootstrap_metric makes (numpy's legacy
+    generator seeded with BOOTSTRAP_SEED, then k indices with replacement per sample). verl seeds again for every
+    prompt and variable, so all of them get these same draws. (Cached: do not modify the array.)"""
+    generator = np.random.RandomState(BOOTSTRAP_SEED)
+    return np.stack([generator.choice(n, size=k, replace=True) for _ in range(BOOTSTRAP_SAMPLES)])
 
 
 def _numbers_in_every_row(extras):
@@ -196,16 +230,22 @@ def _numbers_in_every_row(extras):
             if all(isinstance(row.get(key), (numbers.Real, np.bool_)) for row in extras)}
 
 
-def _majority_values(per_prompt, preds):
-    """Per prompt, the value of the first of its responses whose pred is the most common one among its n (ties:
-    the pred seen first), as verl's calc_maj_val picks it."""
-    n = per_prompt.shape[1]
-    chosen = []
-    for prompt, values in enumerate(per_prompt):
-        votes = preds[prompt * n:(prompt + 1) * n]
-        winner = Counter(votes).most_common(1)[0][0]          # ties: the pred seen first
-        chosen.append(values[votes.index(winner)])
-    return np.asarray(chosen)
+def majority_positions(draws, preds, chunk=128):
+    """The bootstrap draws [B, k] and preds [prompts, n] -> [prompts, B]: per prompt and draw, which of the n
+    responses verl's calc_maj_val takes the value of: the first drawn response whose pred is the most common one
+    in the draw (ties: the pred drawn first). Prompts go `chunk` at a time ([chunk, B, k, n] booleans)."""
+    n, k = preds.shape[1], draws.shape[1]
+    codes = np.asarray([[list(dict.fromkeys(row)).index(pred) for pred in row] for row in preds.tolist()])  # [P, n]
+    positions = []
+    for start in range(0, len(codes), chunk):
+        drawn = codes[start:start + chunk][:, draws]                                      # [c, B, k]
+        votes = drawn[..., None] == np.arange(n)                                          # [c, B, k, n]
+        counts = votes.sum(2)                                                              # [c, B, n] per pred code
+        first = np.where(votes.any(2), votes.argmax(2), k)                                # [c, B, n] first drawn at
+        tied = counts == counts.max(2, keepdims=True)                                      # [c, B, n]
+        winner_at = np.where(tied, first, k).min(2)                                        # [c, B] first drawn of them
+        positions.append(draws[np.arange(len(draws)), winner_at])                         # [c, B] into n
+    return np.concatenate(positions)
 
 
 def timing_metrics(timings, batch, world_size):

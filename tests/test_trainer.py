@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import padded_batch
 from launch import ROOT, torchrun
+from test_logging import verl_validation_metrics
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,18 +114,13 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
         right = f"#### {a + b}" in line["output"]
         assert (line["acc"], line["score"], line["chars"]) == (right, 0.5 + 0.5 * right, len(line["output"]))
         assert line["pred"] == line["output"].split("####")[-1].strip()
-    groups = [lines[i:i + 4] for i in range(0, len(lines), 4)]                 # a prompt's 4 responses
-    acc = [[float(line["acc"]) for line in group] for group in groups]
-    majority = []
-    for group in groups:
-        preds = [line["pred"] for line in group]
-        top = max(preds.count(p) for p in preds)
-        majority.append(float(group[[preds.count(p) for p in preds].index(top)]["acc"]))
-    source = "val-core/minirl/add/acc"
-    assert row[f"{source}/mean@4"] == pytest.approx(sum(map(sum, acc)) / 24)
-    assert row[f"{source}/best@4/mean"] == pytest.approx(sum(map(max, acc)) / 6)
-    assert row[f"{source}/maj@4/mean"] == pytest.approx(sum(majority) / 6)
-    assert row["val-aux/minirl/add/acc/worst@4/mean"] == pytest.approx(sum(map(min, acc)) / 6)
+    acc = [float(line["acc"]) for line in lines]                              # a prompt's 4 responses in a row
+    expected = verl_validation_metrics({"acc": acc}, ["minirl/add"] * 24, 4, [line["pred"] for line in lines],
+                                       core="acc")
+    assert row["val-core/minirl/add/acc/mean@4"] == pytest.approx(sum(acc) / 24)
+    for name in ("val-core/minirl/add/acc/best@4/mean", "val-core/minirl/add/acc/maj@4/mean",
+                 "val-aux/minirl/add/acc/maj@2/std", "val-aux/minirl/add/acc/worst@4/mean"):
+        assert row[name] == pytest.approx(expected[name]), name
     assert row["val-aux/minirl/add/reward/mean@4"] == pytest.approx(sum(line["score"] for line in lines) / 24)
     assert row["val-aux/minirl/add/chars/mean@4"] == pytest.approx(sum(line["chars"] for line in lines) / 24)
     assert not any(key.startswith("val-core/minirl/add/reward") or "/pred/" in key for key in row)
