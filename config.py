@@ -579,6 +579,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_sequence_parallel(cfg)
     _check_lora(cfg)
     _check_multi_turn(cfg, check_paths)
+    _check_reward_manager(cfg)
     check_split_keys(cfg)
     if world_size:
         check_batch(cfg, world_size)
@@ -617,6 +618,45 @@ def _check_multi_turn(cfg, check_paths=True):
     if rollout.multi_turn.tool_config_path and check_paths:
         from tools import load_tools            # tools.py imports this module
         load_tools(rollout.multi_turn.tool_config_path)
+
+
+OVERLONG_BUFFER_KEYS = {"enable": bool, "len": int, "penalty_factor": (int, float), "log": bool}
+
+
+def _check_reward_manager(cfg):
+    """reward_model.reward_kwargs are the reward manager's arguments, as verl's load_reward_manager passes them:
+    naive takes none; dapo (verl's DAPORewardManager) takes max_resp_len and overlong_buffer_cfg {enable, len,
+    penalty_factor, log}, both required, as verl's constructor and __call__ require them."""
+    manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
+    prefix = "reward_model.reward_kwargs"
+    if manager == "naive":
+        if kwargs:
+            raise ConfigError(f"'{prefix}' has {sorted(kwargs)}, but reward_model.reward_manager=naive takes no "
+                              f"arguments; the overlong buffer belongs to reward_model.reward_manager=dapo")
+        return
+    unknown = sorted(set(kwargs) - {"max_resp_len", "overlong_buffer_cfg"})
+    if unknown:
+        raise ConfigError(f"'{prefix}' has {unknown}; reward_model.reward_manager=dapo takes max_resp_len and "
+                          f"overlong_buffer_cfg")
+    buffer = kwargs.get("overlong_buffer_cfg")
+    example = (f"+{prefix}.overlong_buffer_cfg.enable=true +{prefix}.overlong_buffer_cfg.len=512 "
+               f"+{prefix}.overlong_buffer_cfg.penalty_factor=1.0 +{prefix}.overlong_buffer_cfg.log=false "
+               f"+{prefix}.max_resp_len={cfg.data.max_response_length}")
+    if not isinstance(buffer, dict) or not isinstance(kwargs.get("max_resp_len"), int):
+        raise ConfigError(f"reward_model.reward_manager=dapo needs '{prefix}.overlong_buffer_cfg' and "
+                          f"'{prefix}.max_resp_len' (as DAPO's scripts set them), e.g. {example}")
+    for key, kind in OVERLONG_BUFFER_KEYS.items():
+        value = buffer.get(key)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            got = "it is not set" if value is None else f"got {_show(value)}"
+            raise ConfigError(f"'{prefix}.overlong_buffer_cfg.{key}' must be {getattr(kind, '__name__', 'a number')}"
+                              f", {got}; e.g. {example}")
+    unknown = sorted(set(buffer) - set(OVERLONG_BUFFER_KEYS))
+    if unknown:
+        raise ConfigError(f"'{prefix}.overlong_buffer_cfg' has {unknown}; it takes {', '.join(OVERLONG_BUFFER_KEYS)}")
+    if buffer["enable"] and buffer["len"] < 1:
+        raise ConfigError(f"'{prefix}.overlong_buffer_cfg.len'={buffer['len']} must be at least 1: the penalty "
+                          f"ramps over the last len tokens before max_resp_len")
 
 
 def _check_not_yet(cfg):

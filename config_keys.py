@@ -145,6 +145,7 @@ DEFAULTS = {
         **{key: null(int, SIZE) for key in ("micro_batch_size", "micro_batch_size_per_gpu", "max_length",
                                             "forward_max_token_len_per_gpu")},
         "use_dynamic_bsz": null(bool), "reward_manager": "naive", "launch_reward_fn_async": False,
+        "reward_kwargs": free(),        # verl's reward manager arguments (dapo: max_resp_len, overlong_buffer_cfg)
     },
     "custom_reward_function": {"path": null(str), "name": "compute_score"},
     "algorithm": {
@@ -185,7 +186,7 @@ CHOICES = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
-    "reward_model.reward_manager": ("naive",),
+    "reward_model.reward_manager": ("naive", "dapo"),
 }
 LOGGERS = ("console", "tensorboard", "wandb")
 

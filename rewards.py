@@ -330,6 +330,17 @@ def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None
     return scores, extras
 
 
+def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_factor):
+    """DAPO's soft overlong punishment (verl's DAPORewardManager, reward_model.reward_manager=dapo): a response of
+    L tokens longer than max_resp_len - buffer_len gets penalty_factor x (L - (max_resp_len - buffer_len)) /
+    buffer_len subtracted, from 0 at the buffer's start down to -penalty_factor at max_resp_len; shorter ones 0.
+
+        penalty(L) = min(-(L - (max_resp_len - buffer_len)) / buffer_len * penalty_factor, 0)
+    """
+    expected = max_resp_len - buffer_len
+    return [min(-(length - expected) / buffer_len * penalty_factor, 0.0) for length in response_lengths]
+
+
 def token_level_scores(scores, response_mask):
     """[B] scores -> [B, R] float32 tensor holding each score at its row's last valid response token.
 

@@ -265,7 +265,8 @@ def enable(model, sp, group, key):
     """Route the attention of `model`'s text decoder through the all-to-all (registered as
     'ulysses_sp<sp>+<inner>' with transformers' AttentionInterface; no model code is forked); a vision-language
     model's vision tower keeps its own attention, and its decoder slices its inputs (_slice_decoder_inputs).
-    `model` is the Hugging Face model (under any LoRA wrapper); it then expects inputs from shard_packed."""
+    `model` is the Hugging Face model itself (a LoRA-wrapped one's base model); it then expects inputs from
+    shard_packed."""
     from transformers import AttentionInterface
     import vision
     repeat = _decoder_kv_repeats(model.config, sp, key)

@@ -145,6 +145,7 @@ VERL_UNDECLARED = {"data.seed": 1,                            # RLHF sampler: da
                    "actor_rollout_ref.actor.optim.betas": [0.9, 0.999],   # fsdp_workers: optim_config.get("betas")
                    "critic.optim.betas": [0.9, 0.999],
                    "critic.optim.lr_warmup_steps": -1,                    # fsdp_workers: config.optim.get(...)
+                   "reward_model.reward_kwargs": {},     # trainer/ppo/reward.py: reward_model.get("reward_kwargs", {})
                    # fsdp_workers: fsdp_config.get("model_dtype") (null: fp32 for actor and critic, bf16 for ref) and
                    # fsdp_config.get("mixed_precision") (null: bf16 parameters, fp32 reduction and buffers)
                    **{f"{role}.fsdp_config.{key}": None for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",

@@ -108,6 +108,34 @@ def test_unknown_key_suggests_the_right_one(paths):
         load_config(path, world_size=2)
 
 
+DAPO_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.max_resp_len=512",
+               "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+               "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128",
+               "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+               "+reward_model.reward_kwargs.overlong_buffer_cfg.log=false"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+reward_model.reward_kwargs.max_resp_len=512"], r"has \['max_resp_len'\], but reward_model.reward_manager="
+                                                       r"naive takes no arguments"),
+    (DAPO_KWARGS[:1], r"reward_manager=dapo needs 'reward_model.reward_kwargs.overlong_buffer_cfg' and "
+                      r"'reward_model.reward_kwargs.max_resp_len'.*\+reward_model.reward_kwargs.max_resp_len=16"),
+    (DAPO_KWARGS[:2], r"needs 'reward_model.reward_kwargs.overlong_buffer_cfg'"),
+    (DAPO_KWARGS[:3], r"'reward_model.reward_kwargs.overlong_buffer_cfg.len' must be int, it is not set"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"], r"\.len'=0 must be at least 1"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.log=yes please"], r"\.log' must be bool"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.lenght=3"], r"has \['lenght'\]; it takes"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.max_resp_length=3"], r"has \['max_resp_length'\]; reward_model"),
+])
+def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, message):
+    """verl's load_reward_manager hands reward_model.reward_kwargs to the manager: naive takes none, dapo needs
+    max_resp_len and overlong_buffer_cfg {enable, len, penalty_factor, log} (DAPO's scripts add them with +)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(paths, minimal(paths)), ["data.max_response_length=16", *overrides], world_size=2)
+    cfg = load_config(write(paths, minimal(paths)), DAPO_KWARGS, world_size=2)
+    assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 128
+
+
 def test_a_hub_id_as_model_path_says_how_to_get_a_local_copy(paths):
     """verl's example scripts pass actor_rollout_ref.model.path=Qwen/..., which verl downloads; minirl reads local
     or hdfs:// folders, and says so with the download command. A missing path that is no hub id gets no hint."""

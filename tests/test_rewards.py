@@ -15,7 +15,8 @@ import math_grader as grader  # noqa: E402
 from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize  # noqa: E402
 from rewards import (  # noqa: E402
     default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution, load_reward_fn,
-    math_compute_score, math_last_boxed_answer, minirl_add_compute_score, score_responses, token_level_scores)
+    math_compute_score, math_last_boxed_answer, minirl_add_compute_score, overlong_penalties, score_responses,
+    token_level_scores)
 
 
 # --------------------------------------------------------------------------------------------- gsm8k
@@ -299,6 +300,13 @@ def test_a_dict_value_that_cannot_be_pickled_names_the_row_and_the_key():
 def test_score_responses_length_mismatch():
     with pytest.raises(ValueError, match="different lengths 2/1/2/2"):
         score_responses(default_compute_score, ["a", "b"], ["d"], ["", ""])
+
+
+def test_overlong_penalties_by_hand():
+    """DAPO's ramp: max_resp_len 10, buffer 4: up to 6 tokens free, then -1/4 per token (x penalty_factor)."""
+    assert overlong_penalties([3, 6, 7, 8, 10], 10, 4, 1.0) == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalties([7, 10], 10, 4, 0.5) == [-0.125, -0.5]
+    assert overlong_penalties([1, 10], 10, 10, 1.0) == [-0.1, -1.0]          # the whole response is the buffer
 
 
 # --------------------------------------------------------------------------------------------- token placement

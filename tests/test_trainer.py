@@ -128,6 +128,40 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
     assert len(rollouts) == 8 and all(line["acc"] == (line["score"] == 1.0) for line in rollouts)
 
 
+def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path):
+    """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
+    as DAPO's scripts pass them): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
+    penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped
+    score is the reward function's score of the dumped text plus the logged penalty, the penalties lie on the ramp,
+    the step's critic/score/mean is their batch mean, and validation logs overlong_reward as a variable."""
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(REWARD_RETURNING_A_DICT)
+    out = tmp_path / "out"
+    kwargs = "+reward_model.reward_kwargs"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
+             f"af_output_dir={out}", f"custom_reward_function.path={reward_file}", "trainer.total_training_steps=1",
+             "trainer.val_before_train=false", "data.train_batch_size=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.rollout.temperature=1.5", "reward_model.reward_manager=dapo",
+             f"{kwargs}.overlong_buffer_cfg.enable=true", f"{kwargs}.overlong_buffer_cfg.len=16",
+             f"{kwargs}.overlong_buffer_cfg.penalty_factor=2.0", f"{kwargs}.overlong_buffer_cfg.log=true",
+             f"{kwargs}.max_resp_len=16", f"trainer.rollout_data_dir={out}/rollouts")
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    rollouts = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8
+    for line in rollouts:
+        a, b = map(int, re.search(r"What is (\d) \+ (\d)\?", line["input"]).groups())
+        base = 0.5 + 0.5 * (f"#### {a + b}" in line["output"])
+        length = -8 * line["overlong_reward"]                   # the length the penalty was computed from
+        assert line["overlong"] is True and length == pytest.approx(round(length)) and 1 <= round(length) <= 16
+        assert line["score"] == pytest.approx(base + line["overlong_reward"])
+    assert row["critic/score/mean"] == pytest.approx(sum(line["score"] for line in rollouts) / 8, rel=1e-6)
+    assert row["response_length/mean"] == pytest.approx(sum(-8 * line["overlong_reward"] for line in rollouts) / 8)
+    assert "val-aux/minirl/add/overlong_reward/mean@1" in row and "val-aux/minirl/add/overlong/mean@1" in row
+
+
 def test_rank0_alone_logs(e2e_run):
     assert e2e_run["stdout"].count("step 1:") == 1
 
