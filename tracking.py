@@ -173,9 +173,9 @@ def validation_metrics(scores, sources, n, extras=None):
     has_preds = n > 1 and extras and all(isinstance(row.get("pred"), Hashable) and "pred" in row for row in extras)
     majority = {}                          # bootstrap size k -> [prompts, B] the response maj@k takes
     if has_preds:
-        preds = np.empty(len(scores), dtype=object)
-        preds[:] = [row["pred"] for row in extras]
-        majority = {k: majority_positions(bootstrap_draws(n, k), preds.reshape(-1, n)) for k in bootstrap_sizes(n)}
+        preds = [row["pred"] for row in extras]
+        per_prompt_preds = [preds[start:start + n] for start in range(0, len(preds), n)]
+        majority = {k: majority_positions(bootstrap_draws(n, k), per_prompt_preds) for k in bootstrap_sizes(n)}
     metrics = {}
     for name, values in variables.items():
         per_prompt = np.asarray(values, dtype=np.float64).reshape(-1, n)                # [prompts, n]
@@ -231,11 +231,11 @@ def _numbers_in_every_row(extras):
 
 
 def majority_positions(draws, preds, chunk=128):
-    """The bootstrap draws [B, k] and preds [prompts, n] -> [prompts, B]: per prompt and draw, which of the n
-    responses verl's calc_maj_val takes the value of: the first drawn response whose pred is the most common one
-    in the draw (ties: the pred drawn first). Prompts go `chunk` at a time ([chunk, B, k, n] booleans)."""
-    n, k = preds.shape[1], draws.shape[1]
-    codes = np.asarray([[list(dict.fromkeys(row)).index(pred) for pred in row] for row in preds.tolist()])  # [P, n]
+    """The bootstrap draws [B, k] and preds (a list of n per prompt) -> [prompts, B]: per prompt and draw, which
+    of the n responses verl's calc_maj_val takes the value of: the first drawn response whose pred is the most
+    common one in the draw (ties: the pred drawn first). Prompts go `chunk` at a time ([chunk, B, k, n] booleans)."""
+    n, k = len(preds[0]), draws.shape[1]
+    codes = np.asarray([[list(dict.fromkeys(row)).index(pred) for pred in row] for row in preds])   # [P, n]
     positions = []
     for start in range(0, len(codes), chunk):
         drawn = codes[start:start + chunk][:, draws]                                      # [c, B, k]
