@@ -625,8 +625,8 @@ OVERLONG_BUFFER_KEYS = {"enable": bool, "len": int, "penalty_factor": (int, floa
 
 def _check_reward_manager(cfg):
     """reward_model.reward_kwargs are the reward manager's arguments, as verl's load_reward_manager passes them:
-    naive takes none; dapo (verl's DAPORewardManager) takes max_resp_len and overlong_buffer_cfg {enable, len,
-    penalty_factor, log}, both required, as verl's constructor and __call__ require them."""
+    naive takes none; dapo (verl's DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with
+    the buffer on its len, penalty_factor and log (what verl's constructor and __call__ read)."""
     manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
     prefix = "reward_model.reward_kwargs"
     if manager == "naive":
@@ -642,21 +642,25 @@ def _check_reward_manager(cfg):
     example = (f"+{prefix}.overlong_buffer_cfg.enable=true +{prefix}.overlong_buffer_cfg.len=512 "
                f"+{prefix}.overlong_buffer_cfg.penalty_factor=1.0 +{prefix}.overlong_buffer_cfg.log=false "
                f"+{prefix}.max_resp_len={cfg.data.max_response_length}")
-    if not isinstance(buffer, dict) or not isinstance(kwargs.get("max_resp_len"), int):
+    if not isinstance(buffer, dict) or "max_resp_len" not in kwargs:
         raise ConfigError(f"reward_model.reward_manager=dapo needs '{prefix}.overlong_buffer_cfg' and "
                           f"'{prefix}.max_resp_len' (as DAPO's scripts set them), e.g. {example}")
-    for key, kind in OVERLONG_BUFFER_KEYS.items():
-        value = buffer.get(key)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            got = "it is not set" if value is None else f"got {_show(value)}"
-            raise ConfigError(f"'{prefix}.overlong_buffer_cfg.{key}' must be {getattr(kind, '__name__', 'a number')}"
-                              f", {got}; e.g. {example}")
     unknown = sorted(set(buffer) - set(OVERLONG_BUFFER_KEYS))
     if unknown:
         raise ConfigError(f"'{prefix}.overlong_buffer_cfg' has {unknown}; it takes {', '.join(OVERLONG_BUFFER_KEYS)}")
-    if buffer["enable"] and buffer["len"] < 1:
-        raise ConfigError(f"'{prefix}.overlong_buffer_cfg.len'={buffer['len']} must be at least 1: the penalty "
-                          f"ramps over the last len tokens before max_resp_len")
+    required = OVERLONG_BUFFER_KEYS if buffer.get("enable") else {"enable": bool}
+    checks = [(f"{prefix}.overlong_buffer_cfg.{key}", buffer.get(key), kind) for key, kind in required.items()]
+    for dotted, value, kind in [(f"{prefix}.max_resp_len", kwargs["max_resp_len"], int)] + checks:
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            got = "it is not set" if value is None else f"got {_show(value)}"
+            raise ConfigError(f"'{dotted}' must be {getattr(kind, '__name__', 'a number')}, {got}; e.g. {example}")
+    sizes = [(f"{prefix}.max_resp_len", kwargs["max_resp_len"])]
+    if buffer["enable"]:                  # off, verl reads nothing else of it (DAPO's scripts then pass len=0)
+        sizes.append((f"{prefix}.overlong_buffer_cfg.len", buffer["len"]))
+    for dotted, value in sizes:
+        if value < 1:
+            raise ConfigError(f"'{dotted}'={value} must be at least 1 (the penalty ramps over the last len tokens "
+                              f"before max_resp_len)")
 
 
 def _check_not_yet(cfg):

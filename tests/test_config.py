@@ -126,6 +126,8 @@ DAPO_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.log=yes please"], r"\.log' must be bool"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.lenght=3"], r"has \['lenght'\]; it takes"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.max_resp_length=3"], r"has \['max_resp_length'\]; reward_model"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.max_resp_len=0"], r"max_resp_len'=0 must be at least 1"),
+    (DAPO_KWARGS + ["+reward_model.reward_kwargs.max_resp_len=true"], r"max_resp_len' must be int, got True"),
 ])
 def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, message):
     """verl's load_reward_manager hands reward_model.reward_kwargs to the manager: naive takes none, dapo needs
@@ -134,6 +136,11 @@ def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, m
         load_config(write(paths, minimal(paths)), ["data.max_response_length=16", *overrides], world_size=2)
     cfg = load_config(write(paths, minimal(paths)), DAPO_KWARGS, world_size=2)
     assert cfg.reward_model.reward_kwargs["overlong_buffer_cfg"]["len"] == 128
+    # with the buffer off verl reads nothing else of it: DAPO's scripts then pass len=0 and penalty_factor=0.0
+    off = DAPO_KWARGS[:2] + ["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=false",
+                             "+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"]
+    assert not load_config(write(paths, minimal(paths)), off, world_size=2).reward_model.reward_kwargs[
+        "overlong_buffer_cfg"]["enable"]
 
 
 def test_a_hub_id_as_model_path_says_how_to_get_a_local_copy(paths):
