@@ -60,7 +60,7 @@ from batch_plan import batch_plan, format_plan, total_training_steps
 from config import ConfigError, config_file_path, load_config, planning_world_size, settings_without_effect
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
-from rewards import check_rows, load_reward_fn, overlong_penalties, score_responses, token_level_scores
+from rewards import add_overlong_penalty, check_rows, load_reward_fn, score_responses, token_level_scores
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
                      sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
@@ -236,15 +236,8 @@ class Trainer:
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
         scores, extras = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
                                          batch["extra_info"], batch["origin"])
-        kwargs = self.cfg.reward_model.reward_kwargs
-        if self.cfg.reward_model.reward_manager == "dapo" and kwargs["overlong_buffer_cfg"]["enable"]:
-            buffer = kwargs["overlong_buffer_cfg"]          # DAPO's overlong penalty, added to every score
-            penalties = overlong_penalties(valid.sum(-1).tolist(), kwargs["max_resp_len"], buffer["len"],
-                                           buffer["penalty_factor"])
-            scores = [score + penalty for score, penalty in zip(scores, penalties)]
-            if buffer["log"]:                               # verl's reward_extra_info: validation variables, dumps
-                for extra, penalty in zip(extras, penalties):
-                    extra.update(overlong_reward=penalty, overlong=penalty < 0)
+        if self.cfg.reward_model.reward_manager == "dapo":          # DAPO's overlong penalty on every score
+            scores = add_overlong_penalty(scores, extras, valid.sum(-1).tolist(), self.cfg.reward_model.reward_kwargs)
         return torch.tensor(scores, dtype=torch.float32), extras
 
     # -- one training step ----------------------------------------------------------------------------------

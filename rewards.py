@@ -341,6 +341,21 @@ def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_facto
     return [min(-(length - expected) / buffer_len * penalty_factor, 0.0) for length in response_lengths]
 
 
+def add_overlong_penalty(scores, extras, response_lengths, reward_kwargs):
+    """reward_manager=dapo: the scores with overlong_penalties added when reward_kwargs.overlong_buffer_cfg.enable
+    (config.py checked the arguments); with its `log`, each row's extras also get the penalty and whether it
+    applied (verl's reward_extra_info "overlong_reward" and "overlong")."""
+    buffer = reward_kwargs["overlong_buffer_cfg"]
+    if not buffer["enable"]:
+        return scores
+    penalties = overlong_penalties(response_lengths, reward_kwargs["max_resp_len"], buffer["len"],
+                                   buffer["penalty_factor"])
+    if buffer["log"]:
+        for extra, penalty in zip(extras, penalties):
+            extra.update(overlong_reward=penalty, overlong=penalty < 0)
+    return [score + penalty for score, penalty in zip(scores, penalties)]
+
+
 def token_level_scores(scores, response_mask):
     """[B] scores -> [B, R] float32 tensor holding each score at its row's last valid response token.
 
