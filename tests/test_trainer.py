@@ -131,9 +131,9 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
 def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path):
     """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
     as DAPO's scripts pass them): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
-    penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped
-    score is the reward function's score of the dumped text plus the logged penalty, the penalties lie on the ramp,
-    the step's critic/score/mean is their batch mean, and validation logs overlong_reward as a variable."""
+    penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
+    reward function's score of the dumped text plus the logged penalty, the penalties lie on the ramp, the step's
+    critic/score/mean is their batch mean, and validation logs overlong_reward as a variable."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_RETURNING_A_DICT)
     out = tmp_path / "out"

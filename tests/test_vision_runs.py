@@ -163,10 +163,13 @@ def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic_and_resumes_exact
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed == straight
 
 
-def split_vl(tiny_vl_dir, vl_data, out, engine, *extra):
-    """GRPO on the image prompts, 3 steps, one process per role, validation before training: sampled (the
-    random model's greedy responses do not depend on the images)."""
-    torchrun(2 if extra else 1, "minirl.py", "--config", ROOT / "config.yaml",
+SPLIT_1_1 = ("trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1")
+
+
+def split_vl(tiny_vl_dir, vl_data, out, engine, split):
+    """GRPO on the image prompts, 3 steps, validation before training, sampled (the random model's greedy
+    responses do not depend on the images): one trainer and one rollout process (split), or one colocated one."""
+    torchrun(2 if split else 1, "minirl.py", "--config", ROOT / "config.yaml",
              f"actor_rollout_ref.model.path={tiny_vl_dir}", f"data.train_files={vl_data}/train.parquet",
              f"data.val_files={vl_data}/test.parquet", f"af_output_dir={out}", f"trainer.validation_data_dir={out}/val",
              f"actor_rollout_ref.rollout.name={engine}", "actor_rollout_ref.rollout.dtype=float32",
@@ -176,7 +179,8 @@ def split_vl(tiny_vl_dir, vl_data, out, engine, *extra):
              "actor_rollout_ref.rollout.val_kwargs.temperature=1",
              "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-             "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.entropy_coeff=0.01", *extra)
+             "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.entropy_coeff=0.01",
+             *(SPLIT_1_1 if split else ()))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -187,9 +191,8 @@ def test_vl_on_split_devices_generates_from_the_images_one_update_behind(tiny_vl
     process (same weights, same seed); with vLLM, step 1 (sampled by the starting weights, which the actor holds)
     has vLLM's log-probs equal to the actor's on the image prompts, and from step 2 the batch is one update
     behind."""
-    split = split_vl(tiny_vl_dir, vl_data, tmp_path / "split", engine, "trainer.n_gpus_per_node=1",
-                     "rollout.n_gpus_per_node=1")
-    split_vl(tiny_vl_dir, vl_data, tmp_path / "colocated", engine)
+    split = split_vl(tiny_vl_dir, vl_data, tmp_path / "split", engine, split=True)
+    split_vl(tiny_vl_dir, vl_data, tmp_path / "colocated", engine, split=False)
     outputs = {run: [json.loads(line)["output"] for line in (tmp_path / run / "val" / "0.jsonl").open()]
                for run in ("split", "colocated")}
     assert len(outputs["split"]) == 4 and outputs["split"] == outputs["colocated"]
