@@ -42,7 +42,7 @@ import torch.distributed as dist
 import failures
 import vision
 from batch import batch_size_of, repeat_interleave
-from rollout import Sampling, _generation_config, build_rollout, eos_token_ids, pad_logprobs, responses_to_batch
+from rollout import Sampling, build_rollout, folder_eos_token_ids, pad_logprobs, responses_to_batch
 from runtime import share_cpu
 
 BUCKET_BYTES = 256 * 2**20     # weights travel in flat buckets of at most this size (or one bigger tensor)
@@ -251,12 +251,9 @@ class Pipeline:
     of rollout TP group `group`."""
 
     def __init__(self, trainer, bridge, seed_of):
-        from transformers import AutoConfig
         cfg = trainer.cfg
         self.trainer, self.bridge, self.seed_of = trainer, bridge, seed_of
-        model = cfg.actor_rollout_ref.model
-        model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        self.eos_ids = eos_token_ids(trainer.tokenizer, _generation_config(model.path), model_config)
+        self.eos_ids = folder_eos_token_ids(trainer.tokenizer, cfg.actor_rollout_ref.model)
         rollout = cfg.actor_rollout_ref.rollout
         self.groups = rollout_ranks(cfg) // (rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1)
         self.in_flight = None          # (prompt batch (repeated, with uids), its data epoch) being generated

@@ -76,6 +76,14 @@ def eos_token_ids(tokenizer, generation_config=None, model_config=None):
     return sorted(ids)
 
 
+def folder_eos_token_ids(tokenizer, model):
+    """eos_token_ids of the checkpoint named by `model` (actor_rollout_ref.model), read from its folder: its
+    generation_config.json and config.json (no weights)."""
+    from transformers import AutoConfig
+    model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    return eos_token_ids(tokenizer, _generation_config(model.path), model_config)
+
+
 class HFRollout:
     """Generation with a plain Hugging Face copy of the actor on this rank (weights synced before each call)."""
 
@@ -237,9 +245,7 @@ class VLLMRollout:
                               f"({err}); {SETUP_HINT}, or set actor_rollout_ref.rollout.name=hf") from err
         self.device = device
         self.sleeps = bool(rollout.free_cache_engine) and device.type != "cpu"
-        from transformers import AutoConfig
-        model_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        self.eos_ids = eos_token_ids(tokenizer, _generation_config(model.path), model_config)
+        self.eos_ids = folder_eos_token_ids(tokenizer, model)
         kwargs = vllm_engine_kwargs(cfg, device)
         with preserved_rng(), preserved_num_threads():
             try:
