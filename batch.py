@@ -27,6 +27,12 @@ def take(batch, index):
     return {k: (v[index_tensor] if isinstance(v, torch.Tensor) else [v[i] for i in index]) for k, v in batch.items()}
 
 
+def concat(batches):
+    """The rows of several batches with the same fields, one batch after another."""
+    return {key: torch.cat([b[key] for b in batches]) if isinstance(value, torch.Tensor)
+            else [row for b in batches for row in b[key]] for key, value in batches[0].items()}
+
+
 def repeat_interleave(batch, n):
     """Each prompt n times in a row: p0,p0,..,p1,p1,.. (verl's repeat(interleave=True))."""
     return take(batch, [i for i in range(batch_size_of(batch)) for _ in range(n)])

@@ -50,6 +50,9 @@ def check_batch(cfg, world_size):
     if responses % world_size:
         raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "
                           f"must be divisible by the world size {world_size}; change 'data.train_batch_size'")
+    if (generation_batch_size(cfg) * n) % world_size:
+        raise ConfigError(f"data.gen_batch_size * rollout.n = {data.gen_batch_size}*{n} = {data.gen_batch_size * n} "
+                          f"responses must be divisible by the world size {world_size}; change 'data.gen_batch_size'")
     if data.train_batch_size < actor.ppo_mini_batch_size:
         raise ConfigError(f"'data.train_batch_size'={data.train_batch_size} must be >= "
                           f"'actor_rollout_ref.actor.ppo_mini_batch_size'={actor.ppo_mini_batch_size}")
@@ -205,6 +208,8 @@ def batch_plan(cfg, world_size):
         "ref_log_prob_micro_batch": _micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
                                                    ref.log_prob_micro_batch_size, ref_dp),
     }
+    if cfg.algorithm.filter_groups.enable:
+        plan.update(generation_batch=generation_batch_size(cfg), n=n)
     if cfg.algorithm.adv_estimator == "gae":
         critic, critic_dp = cfg.critic, _data_parallel(cfg, world_size, CRITIC_SP)
         critic_micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, critic_dp)
@@ -216,6 +221,12 @@ def batch_plan(cfg, world_size):
         rm = cfg.reward_model
         plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size)
     return plan
+
+
+def generation_batch_size(cfg):
+    """Prompts the loader hands out at a time: data.gen_batch_size (dynamic sampling draws batches of it until
+    train_batch_size prompts are kept), else data.train_batch_size."""
+    return cfg.data.gen_batch_size or cfg.data.train_batch_size
 
 
 def total_training_steps(cfg, batches_per_epoch):
@@ -239,6 +250,9 @@ def format_plan(plan, steps=None):
              f"  micro-batches per mini-batch {plan['micro_batches_per_mini_batch']} "
              f"(micro batch {plan['micro_batch_per_rank']} per rank)",
              f"  optimizer steps per training step {plan['optimizer_steps_per_step']} (ppo_epochs x mini-batches)"]
+    if "generation_batch" in plan:
+        lines.insert(2, f"  dynamic sampling: batches of {plan['generation_batch']} prompts (data.gen_batch_size) "
+                        f"until {plan['responses_per_step'] // plan['n']} prompts' responses differ")
     if steps is not None:
         lines.append(f"  training steps {steps}, optimizer steps in total {steps * plan['optimizer_steps_per_step']}")
     return "\n".join(lines)

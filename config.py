@@ -580,6 +580,7 @@ def validate(cfg, world_size=None, check_paths=True):
     _check_lora(cfg)
     _check_multi_turn(cfg, check_paths)
     _check_reward_manager(cfg)
+    _check_dynamic_sampling(cfg)
     check_split_keys(cfg)
     if world_size:
         check_batch(cfg, world_size)
@@ -661,6 +662,33 @@ def _check_reward_manager(cfg):
         if value < 1:
             raise ConfigError(f"'{dotted}'={value} must be at least 1 (the penalty ramps over the last len tokens "
                               f"before max_resp_len)")
+
+
+SEQUENCE_METRICS = ("seq_reward", "seq_final_reward")   # filter_groups.metric values that are not reward extras
+
+
+def _check_dynamic_sampling(cfg):
+    """DAPO's dynamic sampling (algorithm.filter_groups) and its generation batch (data.gen_batch_size)."""
+    filter_groups, gen_batch_size = cfg.algorithm.filter_groups, cfg.data.gen_batch_size
+    if not filter_groups.enable:
+        if gen_batch_size not in (None, cfg.data.train_batch_size):
+            raise ConfigError(f"'data.gen_batch_size'={gen_batch_size} differs from 'data.train_batch_size'="
+                              f"{cfg.data.train_batch_size}, which only dynamic sampling uses: set "
+                              f"algorithm.filter_groups.enable=true (and its metric), or unset data.gen_batch_size")
+        return
+    if not filter_groups.metric:
+        raise ConfigError(f"algorithm.filter_groups.enable=true needs 'algorithm.filter_groups.metric': the value "
+                          f"whose spread over a prompt's responses keeps its group, one of "
+                          f"{', '.join(SEQUENCE_METRICS)} or a key of the reward function's dict result (DAPO's "
+                          f"scripts use acc)")
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.enable=true with 'algorithm.use_kl_in_reward'=true: the KL "
+                          "penalty needs the old and reference log-probs, which are computed after the groups are "
+                          "filtered (as in verl's DAPO recipe); use actor_rollout_ref.actor.use_kl_loss instead")
+    if cfg.rollout.n_gpus_per_node:
+        raise ConfigError("algorithm.filter_groups.enable=true is not supported on split devices: the rollout ranks "
+                          "generate one batch ahead, not as many as the filter asks for; unset "
+                          "'rollout.n_gpus_per_node' (colocated)")
 
 
 def _check_not_yet(cfg):

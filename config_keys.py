@@ -8,7 +8,7 @@ import copy
 
 from data import TRUNCATION_MODES
 from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES
-from verl_keys import FREE_FORM, VERL_DEFAULTS
+from verl_keys import DAPO_RECIPE, FREE_FORM, VERL_DEFAULTS
 
 
 class Key:
@@ -73,6 +73,7 @@ DEFAULTS = {
         "filter_overlong_prompts": False, "filter_overlong_prompts_workers": Key(1, SIZE), "truncation": "error",
         "image_key": "images", "video_key": "videos", "trust_remote_code": False,
         "custom_cls": {"path": null(str), "name": null(str)},
+        "gen_batch_size": null(int, SIZE),       # DAPO's recipe (verl_keys.DAPO_RECIPE): prompts per generation
     },
     "actor_rollout_ref": {
         "hybrid_engine": True,
@@ -153,6 +154,8 @@ DEFAULTS = {
         "use_kl_in_reward": False, "kl_penalty": "kl",
         "kl_ctrl": {"type": "fixed", "kl_coef": Key(0.001, COUNT), "horizon": Key(10000, SIZE),
                     "target_kl": Key(0.1, COUNT)},
+        # DAPO's dynamic sampling (verl_keys.DAPO_RECIPE; minirl.Trainer.sample_varied_groups)
+        "filter_groups": {"enable": False, "metric": null(str), "max_num_gen_batches": Key(0, COUNT)},
     },
     "trainer": {
         "balance_batch": True, "total_epochs": Key(30, SIZE), "total_training_steps": null(int, SIZE),
@@ -279,4 +282,5 @@ def _is_verl_key(dotted):
     return isinstance(node, dict) and last in node
 
 
-MINIRL_ONLY = [dotted for dotted in ALL_KEYS if not _is_verl_key(dotted)]   # left out by --to-verl
+MINIRL_ONLY = [dotted for dotted in ALL_KEYS                                 # left out by --to-verl
+               if not _is_verl_key(dotted) and dotted not in DAPO_RECIPE]

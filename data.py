@@ -326,6 +326,7 @@ class PromptLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.batches_done_in_epoch = 0
+        self._order = (None, [])                 # (epoch, its dataset indices), computed once per epoch
         if len(self) == 0:
             raise ValueError(f"the dataset has {len(dataset)} prompts, fewer than one batch of {batch_size}; "
                              f"lower data.train_batch_size or add data")
@@ -346,15 +347,25 @@ class PromptLoader:
         return order
 
     def __iter__(self):
+        yield self.next_batch()
+        while self.batches_done_in_epoch < len(self):
+            yield self.next_batch()
+
+    def next_batch(self):
+        """The batch after the last one handed out; after an epoch's last batch, the next epoch's first. Dynamic
+        sampling (minirl.Trainer.sample_varied_groups) draws several in one step, beside the loop's iterator."""
         if self.batches_done_in_epoch >= len(self):
             self.epoch += 1
             self.batches_done_in_epoch = 0
-        order = self.epoch_order(self.epoch)
-        while self.batches_done_in_epoch < len(self):
-            start = self.batches_done_in_epoch * self.batch_size
-            batch = collate([self.dataset[i] for i in order[start:start + self.batch_size]])
-            self.batches_done_in_epoch += 1  # counted before the yield: a checkpoint taken now resumes after it
-            yield batch
+        if self._order[0] != self.epoch:
+            self._order = (self.epoch, self.epoch_order(self.epoch))
+        start = self.batches_done_in_epoch * self.batch_size
+        self.batches_done_in_epoch += 1     # counted before it is handed out: a checkpoint now resumes after it
+        return collate([self.dataset[i] for i in self._order[1][start:start + self.batch_size]])
+
+    def data_left(self, epochs):
+        """Whether a batch remains within the first `epochs` epochs (trainer.total_epochs)."""
+        return self.epoch + 1 < epochs or self.batches_done_in_epoch < len(self)
 
     def state_dict(self):
         return {"epoch": self.epoch, "batches_done_in_epoch": self.batches_done_in_epoch, "seed": self.seed,

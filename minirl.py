@@ -39,6 +39,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
@@ -54,9 +55,9 @@ import losses
 import offpolicy
 import ulysses
 import vision
-from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, gather_tp_groups,
-                   repeat_interleave, rows_of_rank, take)
-from batch_plan import batch_plan, format_plan, total_training_steps
+from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, concat, gather_tp_groups,
+                   repeat_interleave, rows_of_rank, take, uid_groups)
+from batch_plan import batch_plan, format_plan, generation_batch_size, total_training_steps
 from config import ConfigError, config_file_path, load_config, planning_world_size, settings_without_effect
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
@@ -95,6 +96,10 @@ NONFINITE_STEPS_TO_STOP = 3      # training steps in a row with a skipped (NaN/i
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite updates in a row; the message names the likely causes and the last good checkpoint."""
+
+
+class TooFewVariedGroups(RuntimeError):
+    """Dynamic sampling drew algorithm.filter_groups.max_num_gen_batches batches without filling one step."""
 
 
 class Trainer:
@@ -137,8 +142,8 @@ class Trainer:
             dataset.check_prompt_lengths()                      # truncation=error: fail before loading
             if dataset.filter_summary() and self.rank == 0:    # verl prints the filtered length too
                 print(f"{key}: {dataset.filter_summary()}", flush=True)
-        check_dataset_sizes(self.train_set, self.val_set, data.train_batch_size)
-        self.loader = PromptLoader(self.train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+        check_dataset_sizes(self.train_set, self.val_set, generation_batch_size(cfg))
+        self.loader = PromptLoader(self.train_set, generation_batch_size(cfg), shuffle=data.shuffle, seed=data.seed)
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
@@ -221,7 +226,7 @@ class Trainer:
     def score(self, batch):
         """(scores [b], extras) of this rank's rows: the reward model's scores when it is enabled (verl's reward
         manager then uses the model score), else the rule (or custom) reward function's. extras[i] holds what a
-        reward function returning a dict gave besides "score" (verl's reward_extra_info; {} otherwise)."""
+        reward function returning a dict gave, its "score" too (verl's reward_extra_info; {} otherwise)."""
         if self.reward_model is not None:
             scores = self.reward_model.score(batch, self.plan["reward_model_micro_batch"])
             return scores, [{} for _ in range(len(scores))]
@@ -254,29 +259,27 @@ class Trainer:
             if self.pipeline is not None:
                 # 1-2 (split devices): the rollout ranks repeated and generated this batch one update ago
                 batch = self.pipeline.next_batch(timings)
+            elif cfg.algorithm.filter_groups.enable:
+                # 1, 2 and 4 (DAPO's dynamic sampling): as many batches as it takes to fill this one with groups
+                # whose responses score differently; None when the data runs out first
+                batch = self.sample_varied_groups(prompts, timings, metrics)
+                if batch is None:
+                    return None
             else:
-                # 1. repeat each prompt n times, interleaved; one uid per prompt
-                prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
-                batch = repeat_interleave(prompts, arr.rollout.n)                        # B = prompts x n
-
-                # 2. generate with the current weights (ReMax also generates greedily, for its baseline)
-                with timer("gen", timings):
-                    prompt_batch, batch = batch, self.generate(batch, Sampling.from_config(arr.rollout), "train")
-                if cfg.algorithm.adv_estimator == "remax":
-                    with timer("gen_max", timings):
-                        batch["reward_baselines"] = self.greedy_baselines(prompt_batch)  # [B]
+                batch = self.generate_responses(prompts, timings, "train")                 # 1 and 2
 
             # 3. balance: equal-count partitions of near-equal token totals; this rank keeps partition `rank`
             batch, mine, local, seqlen = balance_and_shard(batch, self.rank, self.world_size,
                                                            cfg.trainer.balance_batch, self.actor.shares_prompts)
             metrics.update(seqlen)
 
-            # 4. rewards: the score sits on the last response token
+            # 4. rewards: the score sits on the last response token (dynamic sampling has scored the rows)
             with timer("reward", timings):
-                scores, extras = self.score(local)
-                scores = all_gather_rows(scores, self.world_size)                                 # [B]
+                if "scores" not in batch:
+                    local["scores"], local["reward_extras"] = self.score(local)
+                    batch["scores"] = all_gather_rows(local["scores"], self.world_size)           # [B]
                 valid = batch["attention_mask"][:, -batch["responses"].shape[1]:]                 # [B, R]
-                batch["token_level_scores"] = token_level_scores(scores, valid)                   # [B, R]
+                batch["token_level_scores"] = token_level_scores(batch["scores"], valid)          # [B, R]
 
             # 5. log-probs of the sampling policy (unless the update's own are provably equal), of the reference
             on_policy = update_is_on_policy(cfg, self.global_step)
@@ -336,10 +339,62 @@ class Trainer:
             metrics.update(agent.multi_turn_metrics(batch))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir:
-            extras = all_gather_rows(extras, self.world_size)          # a collective: every rank takes part
+            extras = all_gather_rows(local["reward_extras"], self.world_size)    # a collective: every rank takes part
             if self.rank == 0:
-                self.dump_generations(cfg.trainer.rollout_data_dir, batch, scores.tolist(), extras)
+                self.dump_generations(cfg.trainer.rollout_data_dir, batch, batch["scores"].tolist(), extras)
         return metrics
+
+    def generate_responses(self, prompts, timings, seed_purpose):
+        """Phases 1 and 2 of the step for a batch of prompts -> the rollout batch (B = prompts x n rows)."""
+        arr = self.cfg.actor_rollout_ref
+        # 1. repeat each prompt n times, interleaved; one uid per prompt
+        prompts["uid"] = [str(uuid.UUID(int=random.getrandbits(128))) for _ in range(batch_size_of(prompts))]
+        batch = repeat_interleave(prompts, arr.rollout.n)                                  # B = prompts x n
+
+        # 2. generate with the current weights (ReMax also generates greedily, for its baseline)
+        with timer("gen", timings):
+            prompt_batch, batch = batch, self.generate(batch, Sampling.from_config(arr.rollout), seed_purpose)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            with timer("gen_max", timings):
+                batch["reward_baselines"] = self.greedy_baselines(prompt_batch)            # [B]
+        return batch
+
+    def sample_varied_groups(self, prompts, timings, metrics):
+        """DAPO's dynamic sampling (algorithm.filter_groups; verl's recipe/dapo/dapo_ray_trainer.py,
+        RayDAPOTrainer.fit, v0.5.0). A group whose responses all score alike has zero advantage under GRPO: it
+        only dilutes the batch. So: generate and score a batch of data.gen_batch_size prompts, keep the groups
+        whose `metric` varies, and draw the loader's next batch until train_batch_size prompts are kept; the step
+        trains on the first train_batch_size of them. Returns the batch, its rows scored ("scores" [B],
+        "reward_extras"), or None when trainer.total_epochs of data run out first (verl's loop ends there too).
+        max_num_gen_batches > 0 stops the run after that many batches without enough groups."""
+        cfg, filter_groups = self.cfg, self.cfg.algorithm.filter_groups
+        wanted, kept, kept_prompts, gen_batches = cfg.data.train_batch_size, [], 0, 0
+        while True:
+            gen_batches += 1
+            # each generation batch of the step samples with its own seed; the first with the step's usual one
+            batch = self.generate_responses(prompts, timings, "train" if gen_batches == 1 else f"train/{gen_batches}")
+            with timer("reward", timings):
+                mine = rows_of_rank(batch_size_of(batch), self.rank, self.world_size)
+                scores, extras = self.score(take(batch, mine))
+                batch["scores"] = all_gather_rows(scores, self.world_size)                          # [B]
+                batch["reward_extras"] = all_gather_rows(extras, self.world_size)
+            groups = varied_groups(batch, filter_groups.metric)
+            kept.append(take(batch, [row for group in groups for row in group]))
+            kept_prompts += len(groups)
+            if kept_prompts >= wanted:
+                break
+            if 0 < filter_groups.max_num_gen_batches <= gen_batches:
+                raise TooFewVariedGroups(
+                    f"step {self.global_step}: algorithm.filter_groups.max_num_gen_batches={gen_batches} batches of "
+                    f"{self.loader.batch_size} prompts kept {kept_prompts} whose responses' {filter_groups.metric} "
+                    f"differ, fewer than data.train_batch_size={wanted}. The data may be too hard or too easy for "
+                    f"the model; set algorithm.filter_groups.max_num_gen_batches=0 to keep drawing batches")
+            if not self.loader.data_left(cfg.trainer.total_epochs):
+                return None
+            prompts = self.loader.next_batch()
+        metrics["train/num_gen_batches"] = gen_batches
+        rows = wanted * cfg.actor_rollout_ref.rollout.n
+        return take(concat(kept), list(range(rows)))                      # whole groups: each holds n rows
 
     def record_old_log_probs(self, batch, local, entropy):
         """Gather this rank's old log-probs into the full batch; metrics: actor/entropy (over all ranks' response
@@ -355,7 +410,8 @@ class Trainer:
 
     def dump_generations(self, folder, batch, scores, extras):
         """verl's generation dump: <folder>/<step>.jsonl, one {input, output, score, step} line per response, plus
-        what the reward function returned besides "score" (verl's reward_extra_info)."""
+        what a reward function's dict result holds (verl's reward_extra_info: its "score" replaces the step's, as in
+        verl's dump, so with DAPO's overlong penalty the line shows the score before it)."""
         def decode(ids, mask):
             return self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
 
@@ -423,12 +479,15 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.global_step, disable=self.rank != 0, desc="steps",
                    file=sys.stderr)
         skipped_in_a_row = 0
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and self.data_left():
             # split devices: the pipeline takes the prompts from the loader itself, one step ahead
             for prompts in self.loader if self.pipeline is None else itertools.repeat(None):
                 self.global_step += 1
                 skipped_before = self.actor.skipped_steps
                 metrics = self.train_step(prompts)
+                if metrics is None:              # dynamic sampling ran out of data before the step was full
+                    self.global_step -= 1
+                    break
                 skipped = self.actor.skipped_steps > skipped_before
                 skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
                 is_last = self.global_step >= self.total_steps
@@ -455,6 +514,15 @@ class Trainer:
                 if is_last:
                     break
         bar.close()
+        if self.global_step < self.total_steps and self.rank == 0:
+            print(f"trainer.total_epochs={cfg.trainer.total_epochs} of data were used up after step "
+                  f"{self.global_step} of {self.total_steps} (dynamic sampling draws more than one batch a step)",
+                  flush=True)
+
+    def data_left(self):
+        """Whether the loop goes on: always, but with dynamic sampling, which ends with trainer.total_epochs of
+        data (as verl's DAPO trainer) since its steps use a varying number of batches."""
+        return not self.cfg.algorithm.filter_groups.enable or self.loader.data_left(self.cfg.trainer.total_epochs)
 
     def stop_if_diverged(self, skipped_in_a_row, metrics):
         """Warn about a skipped (non-finite) update; NONFINITE_STEPS_TO_STOP of them in a row end the run.
@@ -485,6 +553,30 @@ class Trainer:
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def varied_groups(batch, metric):
+    """Row indices of the uid groups (a prompt's responses) whose `metric` varies: np.std > 0, as verl's DAPO
+    trainer (a group of one response is kept). metric: seq_reward (the score), seq_final_reward (the same here:
+    the in-reward KL is refused with dynamic sampling) or a key of the reward function's dict result."""
+    if metric in ("seq_reward", "seq_final_reward"):
+        values = batch["scores"].tolist()
+    else:
+        missing = [row for row, extra in enumerate(batch["reward_extras"]) if metric not in extra]
+        if missing:
+            has = sorted(batch["reward_extras"][missing[0]])
+            raise ConfigError(f"algorithm.filter_groups.metric={metric!r} is not in what the reward function "
+                              f"returned for {batch['origin'][missing[0]]} (its keys: "
+                              f"{has or 'none, it returns a number'}); use seq_reward, seq_final_reward or one of "
+                              f"those keys")
+        values = [extra[metric] for extra in batch["reward_extras"]]
+    groups = uid_groups(batch)
+    try:
+        spreads = [np.std([values[row] for row in group]) for group in groups]
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"algorithm.filter_groups.metric={metric!r} holds values that are not numbers "
+                          f"({type(values[0]).__name__}); choose a numeric one") from error
+    return [group for group, spread in zip(groups, spreads) if spread > 0 or len(group) == 1]
 
 
 def update_is_on_policy(cfg, global_step):
@@ -547,7 +639,7 @@ def print_config(cfg, world_size, source):
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-        steps = total_training_steps(cfg, rows // cfg.data.train_batch_size)
+        steps = total_training_steps(cfg, rows // generation_batch_size(cfg))
     except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
     print(format_plan(plan, steps))
@@ -598,7 +690,8 @@ def train(cfg):
             trainer = offpolicy.RolloutServer(cfg, *pick_device(cfg.trainer.device))
         else:
             trainer = Trainer(cfg)
-        expected = known + [(TrainingDiverged, "training stopped", 3)]   # a ValueError now is a bug: traceback
+        # a ValueError now is a bug: traceback
+        expected = known + [(TrainingDiverged, "training stopped", 3), (TooFewVariedGroups, "training stopped", 3)]
         trainer.fit()
     except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
         rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))

@@ -270,7 +270,7 @@ def _score_and_extra(result):
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"a dict result must contain 'score'; got keys {sorted(result)}")
-        extra = {k: v for k, v in result.items() if k != "score"}
+        extra = dict(result)       # "score" too, as verl's reward managers keep it (before any overlong penalty)
         result = result["score"]
         for key, value in extra.items():          # validation gathers the extras over the ranks, pickled
             try:
@@ -294,9 +294,10 @@ def _score_and_extra(result):
 def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None, origins=None):
     """Score every row with fn; returns (scores: list[float], extras: list[dict]).
 
-    fn is called with keywords, as verl's NaiveRewardManager does. extras[i] holds the keys of a dict result other
-    than "score" ({} for a plain number). origins[i] ("file, row N" of the dataset) names a row in errors and stall
-    warnings. Any failure raises RewardFunctionError naming the row instead of producing a silent wrong score.
+    fn is called with keywords, as verl's NaiveRewardManager does. extras[i] holds a dict result's keys, "score"
+    among them (verl's reward_extra_info; {} for a plain number). origins[i] ("file, row N" of the dataset) names
+    a row in errors and stall warnings. Any failure raises RewardFunctionError naming the row instead of producing
+    a silent wrong score.
     """
     if extra_infos is None:
         extra_infos = [None] * len(responses)

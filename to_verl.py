@@ -1,7 +1,9 @@
 """`--to-verl`: verl's command line (`python3 -m verl.trainer.main_ppo key=value ...`) for a resolved minirl config,
 so a user who outgrows one host runs the same experiment on verl with Ray. Keys verl lacks but reads go with
-Hydra's `+`; minirl-only settings are left out and listed in a trailing comment. The line loads back through
-minirl's own loader to the same config (tests/test_config.py, tests/test_verl_config.py)."""
+Hydra's `+`; minirl-only settings are left out and listed in a trailing comment. A run with DAPO's dynamic
+sampling becomes `python3 -m recipe.dapo.main_dapo`, whose yaml declares the recipe's keys (verl_keys.DAPO_RECIPE).
+The line loads back through minirl's own loader to the same config (tests/test_config.py,
+tests/test_verl_config.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ import yaml
 
 from config import default_tree, float_or_same
 from config_keys import ALL_KEYS, MINIRL_ONLY, get_dotted
-from verl_keys import VERL_DEFAULTS, VERL_UNDECLARED
+from verl_keys import DAPO_RECIPE, VERL_DEFAULTS, VERL_UNDECLARED
 
 _ABSENT = object()
 
@@ -46,11 +48,15 @@ def to_verl(cfg, world_size=None):
     trainer.n_gpus_per_node when it is null (torchrun decides in minirl; verl needs the number)."""
     defaults = default_tree()
     args, left_out = [], []
+    dapo = cfg.algorithm.filter_groups.enable
     for dotted in ALL_KEYS:
         value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
         if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
             value = world_size
-        if dotted in VERL_UNDECLARED:
+        if dotted in DAPO_RECIPE:            # main_ppo has none of them: without dynamic sampling they do nothing
+            if value != DAPO_RECIPE[dotted]:
+                (args if dapo else left_out).append(f"{dotted}={_hydra_value(value)}")
+        elif dotted in VERL_UNDECLARED:
             if value != VERL_UNDECLARED[dotted] or value != get_dotted(defaults, dotted):
                 args.append(f"+{dotted}={_hydra_value(value)}")
         elif dotted in MINIRL_ONLY or value in VERL_REFUSES.get(dotted, ()):
@@ -65,6 +71,7 @@ def to_verl(cfg, world_size=None):
                      if verl_default.get(key, _ABSENT) != item or ours.get(key, _ABSENT) != item]
         else:
             args.append(f"{dotted}={_hydra_value(value)}")
-    lines = ["python3 -m verl.trainer.main_ppo"] + [shlex.quote(arg) for arg in args]
+    lines = [f"python3 -m {'recipe.dapo.main_dapo' if dapo else 'verl.trainer.main_ppo'}"]
+    lines += [shlex.quote(arg) for arg in args]
     return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
             "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")

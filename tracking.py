@@ -160,7 +160,7 @@ BOOTSTRAP_SAMPLES, BOOTSTRAP_SEED = 1000, 42     # verl's bootstrap_metric defau
 def validation_metrics(scores, sources, n, extras=None):
     """Per data_source and variable, verl's validation metrics (process_validation_metrics and the val-core rule of
     RayPPOTrainer._validate, v0.5.0). The variables: the reward, and each number a reward function's dict result
-    holds in every row besides "score" (verl's reward_extra_info, e.g. "acc"); the core one is "acc" where there
+    holds in every row (verl's reward_extra_info, e.g. "acc", and its "score"); the core one is "acc" where there
     is one, else the reward. Per prompt and variable: mean@n; with n > 1 also std@n (over its n values) and, for
     k = 2, 4, 8, ... below n and k = n, best@k and worst@k (/mean and /std over BOOTSTRAP_SAMPLES draws of k of
     its n values with replacement: bootstrap_draws) and, where the results hold a "pred", maj@k (the value of the

@@ -139,6 +139,12 @@ VERL_DEFAULTS = {
     "ray_init": {"num_cpus": None, "timeline_json_file": None},
 }
 
+# The keys DAPO's recipe adds to verl's tree (recipe/dapo/config/dapo_trainer.yaml, v0.5.0), read by its trainer
+# (recipe/dapo/dapo_ray_trainer.py, RayDAPOTrainer.fit): dynamic sampling. --to-verl writes a run that filters
+# groups as `python3 -m recipe.dapo.main_dapo`; gen_batch_size null stands for the recipe's ${data.train_batch_size}.
+DAPO_RECIPE = {"data.gen_batch_size": None, "algorithm.filter_groups.enable": False,
+               "algorithm.filter_groups.metric": None, "algorithm.filter_groups.max_num_gen_batches": 0}
+
 # Keys verl v0.5.0 reads with a default although its yaml does not declare them (`config.get(key, default)`):
 # --to-verl passes them with Hydra's '+'.
 VERL_UNDECLARED = {"data.seed": 1,                            # RLHF sampler: data_config.get("seed", 1)

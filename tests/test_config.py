@@ -143,6 +143,30 @@ def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, m
         "overlong_buffer_cfg"]["enable"]
 
 
+DYNAMIC = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.gen_batch_size=24"], r"'data.gen_batch_size'=24 differs from 'data.train_batch_size'=8, which only "
+                                 r"dynamic sampling uses: set algorithm.filter_groups.enable=true"),
+    (DYNAMIC[:1], r"filter_groups.enable=true needs 'algorithm.filter_groups.metric'.*seq_reward, seq_final_reward"),
+    (DYNAMIC + ["algorithm.use_kl_in_reward=true"], r"with 'algorithm.use_kl_in_reward'=true.*use_kl_loss instead"),
+    (DYNAMIC + ["rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1"], r"not supported on split devices"),
+    (DYNAMIC + ["data.gen_batch_size=3", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+     r"data.gen_batch_size \* rollout.n = 3\*1 = 3 responses must be divisible by the world size 2"),
+    (DYNAMIC + ["algorithm.filter_groups.max_num_gen_batches=-1"], r"max_num_gen_batches"),
+])
+def test_dynamic_sampling_settings_are_checked_before_loading(paths, overrides, message):
+    """DAPO's recipe keys (data.gen_batch_size, algorithm.filter_groups.*): each inconsistent setting is named."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(paths, minimal(paths)), overrides, world_size=2)
+    cfg = load_config(write(paths, minimal(paths)), DYNAMIC + ["data.gen_batch_size=24"], world_size=2)
+    assert (cfg.data.gen_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches) == (24, 0)   # the recipe's
+    assert load_config(write(paths, minimal(paths)), ["data.gen_batch_size=8"], world_size=2).data.gen_batch_size == 8
+
+
 def test_a_hub_id_as_model_path_says_how_to_get_a_local_copy(paths):
     """verl's example scripts pass actor_rollout_ref.model.path=Qwen/..., which verl downloads; minirl reads local
     or hdfs:// folders, and says so with the download command. A missing path that is no hub id gets no hint."""
@@ -439,11 +463,11 @@ def test_verl_command_line_forms(paths):
     assert cfg["trainer"]["project_name"] == "p"
 
 
-def _parse_verl_line(text):
-    """The overrides of `python3 -m verl.trainer.main_ppo ...` and of the comment listing minirl-only settings."""
+def _parse_verl_line(text, module="verl.trainer.main_ppo"):
+    """The overrides of `python3 -m <module> ...` and of the comment listing minirl-only settings."""
     command, comment = text.split("\n# ", 1)
     words = shlex.split(command.replace("\\\n", " "))
-    assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    assert words[:3] == ["python3", "-m", module]
     listed = comment.split("left out: ", 1)[1].strip()
     return words[3:], [] if listed == "none" else shlex.split(listed)
 
@@ -469,3 +493,21 @@ def test_to_verl_round_trips_through_minirls_loader(paths):
     assert {item.split("=")[0] for item in minirl_only} == {"af_output_dir", "trainer.seed"}
     original = load_config(path, world_size=2)
     assert load_config(None, verl_args + minirl_only, world_size=2) == original
+
+
+def test_to_verl_writes_a_run_with_dynamic_sampling_for_dapos_recipe(paths):
+    """verl's main_ppo has no dynamic sampling: the line runs DAPO's recipe, whose yaml declares its keys (no '+'),
+    and loads back to the same config; without it the recipe's keys (at no effect) are listed as left out."""
+    path = write(paths, minimal(paths))
+    dapo = DYNAMIC + ["data.gen_batch_size=24", "algorithm.filter_groups.max_num_gen_batches=10"]
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl", *dapo],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    verl_args, minirl_only = _parse_verl_line(out.stdout, "recipe.dapo.main_dapo")
+    assert {"data.gen_batch_size=24", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+            "algorithm.filter_groups.max_num_gen_batches=10"} <= set(verl_args)
+    assert load_config(None, verl_args + minirl_only, world_size=2) == load_config(path, dapo, world_size=2)
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl",
+                          "algorithm.filter_groups.metric=acc"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    verl_args, minirl_only = _parse_verl_line(out.stdout)
+    assert "algorithm.filter_groups.metric=acc" in minirl_only and not any("filter_groups" in a for a in verl_args)

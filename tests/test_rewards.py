@@ -255,7 +255,8 @@ def test_score_responses_numbers_and_dicts(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
     scores, extras = score_responses(load_reward_fn(str(path)), ["ab", "abcd"], ["d", "d"], ["", ""])
-    assert scores == [2.0, 4.0] and extras == [{"length": 2}, {"length": 4}]
+    # every key of a dict result, "score" too (verl's reward managers append them all to reward_extra_info)
+    assert scores == [2.0, 4.0] and extras == [{"score": 2, "length": 2}, {"score": 4, "length": 4}]
 
 
 def test_score_responses_accepts_bools_and_tensors():

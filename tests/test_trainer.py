@@ -122,6 +122,7 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
                  "val-aux/minirl/add/acc/maj@2/std", "val-aux/minirl/add/acc/worst@4/mean"):
         assert row[name] == pytest.approx(expected[name]), name
     assert row["val-aux/minirl/add/reward/mean@4"] == pytest.approx(sum(line["score"] for line in lines) / 24)
+    assert row["val-aux/minirl/add/score/mean@4"] == row["val-aux/minirl/add/reward/mean@4"]   # verl's, as "score"
     assert row["val-aux/minirl/add/chars/mean@4"] == pytest.approx(sum(line["chars"] for line in lines) / 24)
     assert not any(key.startswith("val-core/minirl/add/reward") or "/pred/" in key for key in row)
     rollouts = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
@@ -132,8 +133,9 @@ def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, 
     """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
     as DAPO's scripts pass them): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
     penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
-    reward function's score of the dumped text plus the logged penalty, the penalties lie on the ramp, the step's
-    critic/score/mean is their batch mean, and validation logs overlong_reward as a variable."""
+    reward function's score of the dumped text (the dict's "score", which replaces the penalised one in verl's dump
+    too), the penalties lie on the ramp, the step's critic/score/mean is the batch mean of score + penalty, and
+    validation logs overlong_reward as a variable."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_RETURNING_A_DICT)
     out = tmp_path / "out"
@@ -156,8 +158,9 @@ def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, 
         base = 0.5 + 0.5 * (f"#### {a + b}" in line["output"])
         length = -8 * line["overlong_reward"]                   # the length the penalty was computed from
         assert line["overlong"] is True and length == pytest.approx(round(length)) and 1 <= round(length) <= 16
-        assert line["score"] == pytest.approx(base + line["overlong_reward"])
-    assert row["critic/score/mean"] == pytest.approx(sum(line["score"] for line in rollouts) / 8, rel=1e-6)
+        assert line["score"] == base
+    penalised = [line["score"] + line["overlong_reward"] for line in rollouts]
+    assert row["critic/score/mean"] == pytest.approx(sum(penalised) / 8, rel=1e-6)
     assert row["response_length/mean"] == pytest.approx(sum(-8 * line["overlong_reward"] for line in rollouts) / 8)
     assert "val-aux/minirl/add/overlong_reward/mean@1" in row and "val-aux/minirl/add/overlong/mean@1" in row
 
