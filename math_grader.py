@@ -1,7 +1,10 @@
-"""When two math answers are equal: verl's MATH normal form, and our stand-in for mathruler's grader (geo3k).
+"""When two math answers are equal: verl's MATH normal form, Minerva's (DAPO's), and our stand-in for mathruler's
+grader (geo3k).
 
 rewards.py extracts the answer from a response and scores it; this module only compares answer strings:
     math_is_equiv(answer, ground_truth)        verl v0.5.0 verl/utils/reward_score/math.py `is_equiv`
+    minerva_normalize(answer)                  verl v0.5.0 verl/utils/reward_score/math_dapo.py
+                                               `normalize_final_answer` (Minerva's, via lm-evaluation-harness)
     geo3k_grade_answer(answer, ground_truth)   mathruler.grader `grade_answer`, which verl v0.5.0
                                                verl/utils/reward_score/geo3k.py calls (mathruler is not a dependency)
     geo3k_extract_boxed(solution_str)          mathruler.grader `extract_boxed_content`
@@ -102,6 +105,42 @@ def math_is_equiv(answer, ground_truth):
         return math_normalize(answer) == math_normalize(ground_truth)
     except _NotNormalisable:
         return answer == ground_truth
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DAPO's math (verl/utils/reward_score/math_dapo.py): Minerva's normal form, compared as strings. Each rule runs on
+# the whole string in this order, so "a " goes wherever it occurs (also inside words: "Panama " -> "Panam"),
+# exactly as verl's does: the same answers match.
+
+MINERVA_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                         (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+MINERVA_REMOVED = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+                   "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+                   "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+                   "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ",
+                   "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots")
+# (pattern, replacement) in order: the first $...$ span alone, then \text{x} \textbf{x} \overline{x} -> x,
+# \boxed{...} -> its content (greedy), \fracab -> \frac{a}{b}, \sqrta -> \sqrt{a}
+MINERVA_REWRITES = ((r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$"), (r"(\\text\{)(.*?)(\})", "\\2"),
+                    (r"(\\textbf\{)(.*?)(\})", "\\2"), (r"(\\overline\{)(.*?)(\})", "\\2"),
+                    (r"(\\boxed\{)(.*)(\})", "\\2"), (r"(frac)([^{])(.)", "frac{\\2}{\\3}"),
+                    (r"(sqrt)([^{])", "sqrt{\\2}"))
+
+
+def minerva_normalize(answer):
+    """Minerva's normal form of a final answer: the part after the last "=", the substitutions and removals above,
+    LaTeX wrappers unwrapped, "$" dropped, thousands commas dropped from an integer, outer spaces stripped."""
+    answer = answer.split("=")[-1]
+    for old, new in MINERVA_SUBSTITUTIONS:
+        answer = answer.replace(old, new)
+    for removed in MINERVA_REMOVED:
+        answer = answer.replace(removed, "")
+    for pattern, replacement in MINERVA_REWRITES:
+        answer = re.sub(pattern, replacement, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,12 +9,13 @@ token. Usage:
     scores, extras = score_responses(fn, responses, data_sources, ground_truths, extra_infos, origins)
     token_scores = token_level_scores(torch.tensor(scores), response_mask)               # [B, R]
 
-Built-in data sources (see SCORERS): openai/gsm8k, the three MATH names, hiyouga/geometry3k and the demo tasks
-minirl/add and minirl/colour. Any scorer takes (data_source, solution_str, ground_truth, extra_info=None), the
-signature verl uses for `custom_reward_function`, and returns a number or a dict holding "score" (finite,
-|score| <= MAX_ABS_SCORE). A custom function that scores without answers says so with
-`compute_score.needs_ground_truth = False`.
-The answer comparisons (verl's MATH normal form, our stand-in for mathruler's grader) live in math_grader.py.
+Built-in data sources (see SCORERS): openai/gsm8k, the three MATH names, hiyouga/geometry3k, DAPO's math_dapo and
+aime* (a dict: score +-1, acc, pred) and the demo tasks minirl/add and minirl/colour. Any scorer takes
+(data_source, solution_str, ground_truth, extra_info=None), the signature verl uses for `custom_reward_function`,
+and returns a number or a dict holding "score" (finite, |score| <= MAX_ABS_SCORE). A custom function that scores
+without answers says so with `compute_score.needs_ground_truth = False`.
+The answer comparisons (verl's MATH normal form, Minerva's, our stand-in for mathruler's grader) live in
+math_grader.py.
 """
 import importlib.util
 import math
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from failures import ReportedError
-from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_is_equiv
+from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_is_equiv, minerva_normalize
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,6 +122,24 @@ def geo3k_compute_score(solution_str, ground_truth, format_score=0.1):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# DAPO's math (verl/utils/reward_score/math_dapo.py, DAPO-Math-17k's data_source "math_dapo", and "aime*"): the last
+# "Answer: ..." line, compared in Minerva's normal form (math_grader.py); +1 right, -1 wrong, as a dict
+
+MATH_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+MATH_DAPO_TAIL_CHARS = 300          # only the response's end is read (MATH-500's longest answer has 159 characters)
+
+
+def math_dapo_compute_score(solution_str, ground_truth):
+    """{"score": 1.0 or -1.0, "acc": bool, "pred": the normalised answer}: right when the last "Answer: X" in the
+    response's last 300 characters equals ground_truth in Minerva's normal form; without one the answer is
+    "[INVALID]"."""
+    answers = MATH_DAPO_ANSWER.findall(solution_str[-MATH_DAPO_TAIL_CHARS:])
+    pred = minerva_normalize(answers[-1] if answers else "[INVALID]")
+    right = pred == minerva_normalize(str(ground_truth))
+    return {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the demo task: add two numbers, answer as "#### N"
 
 def minirl_add_compute_score(solution_str, ground_truth):
@@ -152,18 +171,30 @@ SCORERS = {
     "minirl/add": minirl_add_compute_score,
     "minirl/colour": minirl_colour_compute_score,
     "minirl/box": minirl_add_compute_score,      # the tool demo (demo_tools.py): the same "#### N" rule
+    "math_dapo": math_dapo_compute_score,
 }
+SCORER_PREFIXES = {"aime": math_dapo_compute_score}      # verl: data_source.startswith("aime")
+BUILT_IN = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES]
+
+
+def scorer_of(data_source):
+    """The built-in scorer for a data source, or None."""
+    if data_source in SCORERS:
+        return SCORERS[data_source]
+    return next((fn for prefix, fn in SCORER_PREFIXES.items() if str(data_source).startswith(prefix)), None)
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """verl's default_compute_score for the sources in SCORERS; returns a float."""
-    scorer = SCORERS.get(data_source)
+    """verl's default_compute_score for the sources in SCORERS and SCORER_PREFIXES: a float, or a scorer's dict
+    (math_dapo's) as it is."""
+    scorer = scorer_of(data_source)
     if scorer is None:
         raise NotImplementedError(
-            f"no built-in reward for data_source={data_source!r}; known: {sorted(SCORERS)}. Write "
+            f"no built-in reward for data_source={data_source!r}; known: {BUILT_IN}. Write "
             f"compute_score(data_source, solution_str, ground_truth, extra_info=None) in a .py file and set "
             f"custom_reward_function.path (and custom_reward_function.name if the function has another name)")
-    return float(scorer(solution_str, ground_truth))
+    result = scorer(solution_str, ground_truth)
+    return result if isinstance(result, dict) else float(result)
 
 
 def load_reward_fn(path=None, name="compute_score"):
@@ -228,9 +259,9 @@ def check_rows(fn, rows, reward_fn_key="data_source"):
                              f"selects the reward function)")
         if fn is None:
             continue
-        if fn is default_compute_score and source not in SCORERS:
+        if fn is default_compute_score and scorer_of(source) is None:
             raise ValueError(f"{where}: no built-in reward for {reward_fn_key}={source!r}; built-in: "
-                             f"{sorted(SCORERS)}. Write compute_score(data_source, solution_str, ground_truth, "
+                             f"{BUILT_IN}. Write compute_score(data_source, solution_str, ground_truth, "
                              f"extra_info=None) in a .py file and set custom_reward_function.path")
         truth = (row.get("reward_model") or {}).get("ground_truth")
         if needs_ground_truth(fn) and (truth is None or truth == ""):

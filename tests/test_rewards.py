@@ -12,11 +12,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import math_grader as grader  # noqa: E402
-from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize  # noqa: E402
+from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize, minerva_normalize  # noqa: E402
 from rewards import (  # noqa: E402
-    default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution, load_reward_fn,
-    math_compute_score, math_last_boxed_answer, minirl_add_compute_score, overlong_penalties, score_responses,
-    token_level_scores)
+    check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution,
+    load_reward_fn, math_compute_score, math_dapo_compute_score, math_last_boxed_answer, minirl_add_compute_score,
+    overlong_penalties, score_responses, token_level_scores)
 
 
 # --------------------------------------------------------------------------------------------- gsm8k
@@ -189,6 +189,51 @@ def test_geo3k_compute_score(text, truth, score):
 ])
 def test_minirl_add(text, truth, score):
     assert minirl_add_compute_score(text, truth) == score
+
+
+# --------------------------------------------------------------------------------------------- DAPO's math (Minerva)
+
+@pytest.mark.parametrize("raw, normal", [
+    ("1,000", "1000"),                                  # spaces go, then an integer's commas
+    ("1,000.5", "1,000.5"),                             # ...only an integer's
+    ("x = 3", "3"),                                     # the part after the last "="
+    ("$\\frac{1}{2}$", "\\frac{1}{2}"),                 # the first $...$ span, then no "$"
+    ("\\frac12", "\\frac{1}{2}"),                       # \fracab -> \frac{a}{b}
+    ("\\sqrt3", "\\sqrt{3}"),
+    ("\\boxed{7}", "7"),
+    ("\\text{(B)}", "(B)"),
+    ("5 degrees", "5"), ("12 students", "12"), ("90^\\circ", "90"),
+    ("Panama ", "Panam"),                               # "a " is removed wherever it is, as in verl's
+    ("  7  ", "7"),
+])
+def test_minerva_normalize(raw, normal):
+    assert minerva_normalize(raw) == normal
+
+
+@pytest.mark.parametrize("text, truth, right, pred", [
+    ("so it is 5.\nAnswer: 5", "5", True, "5"),
+    ("answer : 1,000 dollars", "1000", True, "1000"),     # case-insensitive, units and commas dropped
+    ("Answer: 4\nthen Answer: 6", "6", True, "6"),       # the last one
+    ("Answer: 4", "5", False, "4"),
+    ("no answer line", "5", False, "[INVALID]"),
+    ("Answer: 5" + " padding" * 50, "5", False, "[INVALID]"),   # only the last 300 characters are read
+    ("Answer: 5\n" + "x" * 290, "5", True, "5"),               # 300 characters: all read
+    ("Answer: 5\n" + "x" * 291, "5", False, "[INVALID]"),      # 301: the "A" is cut off
+])
+def test_math_dapo_compute_score(text, truth, right, pred):
+    assert math_dapo_compute_score(text, truth) == {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
+
+
+def test_math_dapo_sources_dispatch_to_a_dict_and_pass_the_row_check():
+    """verl's default_compute_score: data_source math_dapo or any aime* (AIME 2024 in DAPO's scripts) -> the dict."""
+    def row(source):
+        return [("f, row 0", {"data_source": source, "reward_model": {"ground_truth": "7"}})]
+
+    for source in ("math_dapo", "aime2024", "aime_2025"):
+        assert default_compute_score(source, "Answer: 7", "7") == {"score": 1.0, "acc": True, "pred": "7"}
+        check_rows(default_compute_score, row(source))
+    with pytest.raises(ValueError, match=r"no built-in reward for data_source='math'; built-in: .*'aime\*'"):
+        check_rows(default_compute_score, row("math"))
 
 
 # --------------------------------------------------------------------------------------------- dispatch
