@@ -67,7 +67,7 @@ from runtime import (check_output_folders, claim_output_folder, init_distributed
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from to_verl import to_verl
 from tools import load_tools
-from tracking import Tracker, data_metrics, plot, timing_metrics, validation_metrics
+from tracking import Tracker, data_metrics, pick_validation_generations, plot, timing_metrics, validation_metrics
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small pieces of the step
@@ -412,22 +412,25 @@ class Trainer:
         """verl's generation dump: <folder>/<step>.jsonl, one {input, output, score, step} line per response, plus
         what a reward function's dict result holds (verl's reward_extra_info: its "score" replaces the step's, as in
         verl's dump, so with DAPO's overlong penalty the line shows the score before it)."""
-        def decode(ids, mask):
-            return self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-
-        prompt_len = batch["prompts"].shape[1]
+        inputs, outputs = self.decode_rows(batch)
         Path(folder).mkdir(parents=True, exist_ok=True)
         with open(Path(folder) / f"{self.global_step}.jsonl", "w") as out:
             for i, score in enumerate(scores):
-                mask = batch["attention_mask"][i]
-                line = {"input": decode(batch["prompts"][i], mask[:prompt_len]),
-                        "output": decode(batch["responses"][i], mask[prompt_len:]), "score": score,
-                        "step": self.global_step}
+                line = {"input": inputs[i], "output": outputs[i], "score": score, "step": self.global_step}
                 if "messages" in batch:          # multi-turn: the whole conversation, tool answers included
                     line["messages"] = batch["messages"][i]
                 line.update(extras[i])
                 # numpy/torch values as numbers and lists; anything else JSON has no type for as its text
                 out.write(json.dumps(line, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)) + "\n")
+
+    def decode_rows(self, batch):
+        """(prompt texts, response texts) of a rollout batch, special tokens skipped, as verl decodes them."""
+        def decode(ids, mask):
+            return self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+
+        prompt_len, masks = batch["prompts"].shape[1], batch["attention_mask"]
+        return ([decode(prompt, mask[:prompt_len]) for prompt, mask in zip(batch["prompts"], masks)],
+                [decode(response, mask[prompt_len:]) for response, mask in zip(batch["responses"], masks)])
 
     def greedy_baselines(self, prompt_batch):
         """ReMax's baseline b_i: the score of a greedy response to the same prompt (verl's gen_max phase)."""
@@ -456,6 +459,10 @@ class Trainer:
         batch = take(batch, list(range(total)))           # the padding rows out again
         if self.cfg.trainer.validation_data_dir and self.rank == 0:
             self.dump_generations(self.cfg.trainer.validation_data_dir, batch, scores, extras)
+        if self.cfg.trainer.log_val_generations and self.rank == 0:     # a few of them to TensorBoard / wandb
+            count = self.cfg.trainer.log_val_generations
+            self.tracker.log_generations(pick_validation_generations(*self.decode_rows(batch), scores, count),
+                                         self.global_step)
         metrics = validation_metrics(scores, batch[self.cfg.data.reward_fn_key], n, extras)
         metrics["val-aux/response_length/mean"] = float(batch["response_mask"].sum(-1).float().mean())
         if "num_turns" in batch:        # multi-turn: verl's val-aux/num_turns/*, and the tool calls beside them

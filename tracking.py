@@ -38,6 +38,7 @@ class Tracker:
         self.last_step = max(logged, default=None)
         self.jsonl = open(out / "metrics.jsonl", "a")
         self.tb = self.wandb = None
+        self.generation_rows = []           # the wandb table of validation generations, one row per validation
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
             # resumed: TensorBoard hides what the killed run logged past the checkpoint, as this file does
@@ -71,6 +72,22 @@ class Tracker:
             shown = {k: v for k, v in metrics.items() if k.startswith(self.CONSOLE_KEYS)}
             print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()), flush=True)
 
+    def log_generations(self, samples, step):
+        """trainer.log_val_generations, as verl's ValidationGenerationsLogger writes them: `samples` (input,
+        output, score) as TensorBoard text and as the wandb table "val/generations", which gains a row per
+        validation (step, then input_i, output_i, score_i of each sample)."""
+        if not self.enabled or not samples:
+            return
+        if self.tb is not None:
+            self.tb.add_text("val/generations", generations_text(samples, step), step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+            columns = ["step"] + [f"{field}_{i}" for i in range(1, len(samples) + 1)
+                                  for field in ("input", "output", "score")]
+            self.generation_rows.append([step] + [value for sample in samples for value in sample])
+            self.wandb.log({"val/generations": wandb.Table(columns=columns, data=self.generation_rows)}, step=step)
+
     def add_to_last_row(self, metrics):
         """Rewrite metrics.jsonl with `metrics` merged into its last row (newer values win), to a temporary file
         renamed into place; the append handle is reopened on the new file."""
@@ -90,6 +107,24 @@ class Tracker:
                 self.tb.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def pick_validation_generations(inputs, outputs, scores, count):
+    """The `count` validation generations verl logs (RayPPOTrainer._maybe_log_val_generations, v0.5.0): the
+    (input, output, score) triples sorted by input, shuffled by numpy's RandomState(42), the first `count`, so each
+    validation shows the same prompts while they fit."""
+    samples = sorted(zip(inputs, outputs, scores), key=lambda sample: sample[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:count]
+
+
+def generations_text(samples, step):
+    """The samples as one Markdown text (TensorBoard's text tab renders it)."""
+    parts = [f"**Generation Results - Step {step}**\n\n"]
+    for number, (prompt, response, score) in enumerate(samples, 1):
+        parts.append(f"### Sample {number}\n**Input:** {prompt}\n\n**Output:** {response}\n\n**Score:** {score}\n\n"
+                     f"---\n\n")
+    return "".join(parts)
 
 
 def complete_rows(path, text):

@@ -224,7 +224,6 @@ NO_EFFECT = {
     "actor_rollout_ref.rollout.trace.": "no rollout tracing",
     "actor_rollout_ref.rollout.multi_turn.completion_callback": "multi-turn uses minirl's own loop",
     "algorithm.pf_ppo.": "used only with algorithm.use_pf_ppo=true",
-    "trainer.log_val_generations": "validation generations are not logged",
     "trainer.default_hdfs_dir": "checkpoints are written locally",
     "trainer.del_local_ckpt_after_load": "checkpoints are kept",
     "trainer.profile_steps": "no profiler",

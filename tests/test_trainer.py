@@ -4,6 +4,7 @@ size, remove-padding, dynamic batch size or gradient checkpointing."""
 import json
 import re
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -20,13 +21,15 @@ from test_logging import verl_validation_metrics
 
 @pytest.fixture(scope="module")
 def e2e_run(demo_dir, tmp_path_factory):
-    """Three GRPO steps on 2 ranks with validation, tensorboard and the KL loss (so a reference is built)."""
+    """Three GRPO steps on 2 ranks with validation, tensorboard, wandb (offline) and the KL loss (so a reference is
+    built)."""
     out = tmp_path_factory.mktemp("e2e")
     run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
                    f"actor_rollout_ref.model.path={demo_dir}/model", f"data.train_files={demo_dir}/data/train.parquet",
                    f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={out}",
                    "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=-1",
-                   "trainer.logger=[console,tensorboard]", "data.train_batch_size=4",
+                   "trainer.logger=[console,tensorboard,wandb]", "trainer.log_val_generations=3",
+                   "data.train_batch_size=4",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=4",
                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-3",
                    f"trainer.rollout_data_dir={out}/rollouts", f"trainer.validation_data_dir={out}/validation")
@@ -62,6 +65,36 @@ def test_tensorboard_events_read_back(e2e_run):
     logged = [event.value for event in acc.Scalars("critic/score/mean")]
     expected = [r["critic/score/mean"] for r in e2e_run["rows"][1:]]
     assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_few_validation_generations_go_to_tensorboard_and_wandb(e2e_run):
+    """trainer.log_val_generations=3: verl's pick (sorted by input, shuffled by numpy's RandomState(42), the first 3),
+    written out here and applied to the validation dump, as TensorBoard text at each validation and as wandb's table
+    val/generations, one row per validation so far."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    picked = {}
+    for step in (0, 3):
+        dump = e2e_run["dir"] / "validation" / f"{step}.jsonl"
+        lines = [json.loads(line) for line in dump.read_text().splitlines()]
+        samples = sorted(((line["input"], line["output"], line["score"]) for line in lines), key=lambda s: s[0])
+        np.random.RandomState(42).shuffle(samples)
+        picked[step] = samples[:3]
+    acc = EventAccumulator(str(e2e_run["dir"] / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = {event.step: event.tensor_proto.string_val[0].decode()
+             for event in acc.Tensors("val/generations/text_summary")}
+    assert sorted(texts) == [0, 3]
+    for step, samples in picked.items():
+        for number, (prompt, response, score) in enumerate(samples, 1):
+            assert (f"### Sample {number}\n**Input:** {prompt}\n\n**Output:** {response}\n\n**Score:** {score}\n"
+                    in texts[step]), (step, number)
+    tables = [json.loads(path.read_text()) for path in
+              (e2e_run["dir"] / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json")]
+    assert sorted(len(table["data"]) for table in tables) == [1, 2]           # one table per validation
+    table = max(tables, key=lambda table: len(table["data"]))
+    assert table["columns"] == ["step", "input_1", "output_1", "score_1", "input_2", "output_2", "score_2",
+                                "input_3", "output_3", "score_3"]
+    assert table["data"] == [[step] + [value for sample in picked[step] for value in sample] for step in (0, 3)]
 
 
 def test_generation_dumps_hold_each_response_with_its_score(e2e_run):
