@@ -37,7 +37,7 @@ from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES,
                          MAX_VALUES, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
                          set_dotted)
 from interpolation import resolve_interpolations
-from verl_keys import NO_EFFECT, VERL_DEFAULTS
+from verl_keys import DAPO_RECIPE, NO_EFFECT, VERL_DEFAULTS
 
 __all__ = ["DEFAULTS", "ConfigError", "Config", "get_dotted", "load_config", "settings_without_effect",
            "planning_world_size", "float_or_same"]     # DEFAULTS, ConfigError and get_dotted are config_keys', re-exported
@@ -622,42 +622,65 @@ def _check_multi_turn(cfg, check_paths=True):
 
 
 OVERLONG_BUFFER_KEYS = {"enable": bool, "len": int, "penalty_factor": (int, float), "log": bool}
+RECIPE_BUFFER = "reward_model.overlong_buffer"       # DAPO's recipe form of the buffer (verl_keys.DAPO_RECIPE)
+
+
+def dapo_reward_arguments(cfg):
+    """DAPORewardManager's arguments (max_resp_len, overlong_buffer_cfg) as verl hands them over, and the config
+    keys they come from: main_ppo passes reward_model.reward_kwargs; DAPO's recipe (main_dapo) passes
+    data.max_response_length and reward_model.overlong_buffer. minirl reads the first when it is set, else the
+    second (whose buffer is off by default: the manager then adds nothing)."""
+    kwargs = cfg.reward_model.reward_kwargs
+    if kwargs:
+        prefix = "reward_model.reward_kwargs"
+        return kwargs, {name: f"{prefix}.{name}" for name in ("max_resp_len", "overlong_buffer_cfg")}
+    arguments = {"max_resp_len": cfg.data.max_response_length,
+                 "overlong_buffer_cfg": dict(cfg.reward_model.overlong_buffer)}
+    return arguments, {"max_resp_len": "data.max_response_length", "overlong_buffer_cfg": RECIPE_BUFFER}
 
 
 def _check_reward_manager(cfg):
-    """reward_model.reward_kwargs are the reward manager's arguments, as verl's load_reward_manager passes them:
-    naive takes none; dapo (verl's DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with
-    the buffer on its len, penalty_factor and log (what verl's constructor and __call__ read)."""
+    """The reward manager's arguments, as verl's entry points pass them (dapo_reward_arguments): naive takes none;
+    dapo (verl's DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with the buffer on its
+    len, penalty_factor and log (what verl's constructor and __call__ read)."""
     manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
     prefix = "reward_model.reward_kwargs"
+    recipe_buffer = {key: get_dotted(cfg, f"{RECIPE_BUFFER}.{key}") for key in OVERLONG_BUFFER_KEYS}
+    recipe_buffer_set = recipe_buffer != {key: DAPO_RECIPE[f"{RECIPE_BUFFER}.{key}"] for key in OVERLONG_BUFFER_KEYS}
     if manager == "naive":
-        if kwargs:
-            raise ConfigError(f"'{prefix}' has {sorted(kwargs)}, but reward_model.reward_manager=naive takes no "
-                              f"arguments; the overlong buffer belongs to reward_model.reward_manager=dapo")
+        if kwargs or recipe_buffer_set:
+            where = f"'{prefix}' has {sorted(kwargs)}" if kwargs else f"'{RECIPE_BUFFER}' is set"
+            raise ConfigError(f"{where}, but reward_model.reward_manager=naive takes no arguments; the overlong "
+                              f"buffer belongs to reward_model.reward_manager=dapo")
         return
+    if kwargs and recipe_buffer_set:
+        raise ConfigError(f"DAPO's overlong buffer is set twice: in '{prefix}' (verl's main_ppo reads it) and in "
+                          f"'{RECIPE_BUFFER}' (DAPO's recipe reads it); keep one")
     unknown = sorted(set(kwargs) - {"max_resp_len", "overlong_buffer_cfg"})
     if unknown:
         raise ConfigError(f"'{prefix}' has {unknown}; reward_model.reward_manager=dapo takes max_resp_len and "
                           f"overlong_buffer_cfg")
-    buffer = kwargs.get("overlong_buffer_cfg")
+    arguments, names = dapo_reward_arguments(cfg)
+    buffer = arguments.get("overlong_buffer_cfg")
     example = (f"+{prefix}.overlong_buffer_cfg.enable=true +{prefix}.overlong_buffer_cfg.len=512 "
                f"+{prefix}.overlong_buffer_cfg.penalty_factor=1.0 +{prefix}.overlong_buffer_cfg.log=false "
                f"+{prefix}.max_resp_len={cfg.data.max_response_length}")
-    if not isinstance(buffer, dict) or "max_resp_len" not in kwargs:
+    if not isinstance(buffer, dict) or "max_resp_len" not in arguments:
         raise ConfigError(f"reward_model.reward_manager=dapo needs '{prefix}.overlong_buffer_cfg' and "
                           f"'{prefix}.max_resp_len' (as DAPO's scripts set them), e.g. {example}")
     unknown = sorted(set(buffer) - set(OVERLONG_BUFFER_KEYS))
     if unknown:
-        raise ConfigError(f"'{prefix}.overlong_buffer_cfg' has {unknown}; it takes {', '.join(OVERLONG_BUFFER_KEYS)}")
+        raise ConfigError(f"'{names['overlong_buffer_cfg']}' has {unknown}; it takes "
+                          f"{', '.join(OVERLONG_BUFFER_KEYS)}")
     required = OVERLONG_BUFFER_KEYS if buffer.get("enable") else {"enable": bool}
-    checks = [(f"{prefix}.overlong_buffer_cfg.{key}", buffer.get(key), kind) for key, kind in required.items()]
-    for dotted, value, kind in [(f"{prefix}.max_resp_len", kwargs["max_resp_len"], int)] + checks:
+    checks = [(f"{names['overlong_buffer_cfg']}.{key}", buffer.get(key), kind) for key, kind in required.items()]
+    for dotted, value, kind in [(names["max_resp_len"], arguments["max_resp_len"], int)] + checks:
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             got = "it is not set" if value is None else f"got {_show(value)}"
             raise ConfigError(f"'{dotted}' must be {getattr(kind, '__name__', 'a number')}, {got}; e.g. {example}")
-    sizes = [(f"{prefix}.max_resp_len", kwargs["max_resp_len"])]
+    sizes = [(names["max_resp_len"], arguments["max_resp_len"])]
     if buffer["enable"]:                  # off, verl reads nothing else of it (DAPO's scripts then pass len=0)
-        sizes.append((f"{prefix}.overlong_buffer_cfg.len", buffer["len"]))
+        sizes.append((f"{names['overlong_buffer_cfg']}.len", buffer["len"]))
     for dotted, value in sizes:
         if value < 1:
             raise ConfigError(f"'{dotted}'={value} must be at least 1 (the penalty ramps over the last len tokens "

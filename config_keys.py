@@ -147,6 +147,8 @@ DEFAULTS = {
                                             "forward_max_token_len_per_gpu")},
         "use_dynamic_bsz": null(bool), "reward_manager": "naive", "launch_reward_fn_async": False,
         "reward_kwargs": free(),        # verl's reward manager arguments (dapo: max_resp_len, overlong_buffer_cfg)
+        # DAPO's recipe form of the same buffer (verl_keys.DAPO_RECIPE; config.dapo_reward_arguments)
+        "overlong_buffer": {"enable": False, "len": Key(0, COUNT), "penalty_factor": Key(0.0, COUNT), "log": False},
     },
     "custom_reward_function": {"path": null(str), "name": "compute_score"},
     "algorithm": {

@@ -58,7 +58,8 @@ import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, concat, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take, uid_groups)
 from batch_plan import batch_plan, format_plan, generation_batch_size, total_training_steps
-from config import ConfigError, config_file_path, load_config, planning_world_size, settings_without_effect
+from config import (ConfigError, config_file_path, dapo_reward_arguments, load_config, planning_world_size,
+                    settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import add_overlong_penalty, check_rows, load_reward_fn, score_responses, token_level_scores
@@ -242,7 +243,7 @@ class Trainer:
         scores, extras = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
                                          batch["extra_info"], batch["origin"])
         if self.cfg.reward_model.reward_manager == "dapo":          # DAPO's overlong penalty on every score
-            scores = add_overlong_penalty(scores, extras, valid.sum(-1).tolist(), self.cfg.reward_model.reward_kwargs)
+            scores = add_overlong_penalty(scores, extras, valid.sum(-1).tolist(), dapo_reward_arguments(self.cfg)[0])
         return torch.tensor(scores, dtype=torch.float32), extras
 
     # -- one training step ----------------------------------------------------------------------------------

@@ -375,7 +375,7 @@ def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_facto
 
 def add_overlong_penalty(scores, extras, response_lengths, reward_kwargs):
     """reward_manager=dapo: the scores with overlong_penalties added when reward_kwargs.overlong_buffer_cfg.enable
-    (config.py checked the arguments); with its `log`, each row's extras also get the penalty and whether it
+    (reward_kwargs: config.dapo_reward_arguments, checked there); with its `log`, each row's extras also get the penalty and whether it
     applied (verl's reward_extra_info "overlong_reward" and "overlong")."""
     buffer = reward_kwargs["overlong_buffer_cfg"]
     if not buffer["enable"]:

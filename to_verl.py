@@ -12,7 +12,7 @@ import shlex
 
 import yaml
 
-from config import default_tree, float_or_same
+from config import RECIPE_BUFFER, ConfigError, dapo_reward_arguments, default_tree, float_or_same
 from config_keys import ALL_KEYS, MINIRL_ONLY, get_dotted
 from verl_keys import DAPO_RECIPE, VERL_DEFAULTS, VERL_UNDECLARED
 
@@ -41,6 +41,21 @@ def _hydra_value(value):
     return value if plain else json.dumps(value)
 
 
+def _dapo_reward_args(cfg, recipe):
+    """DAPORewardManager's arguments (config.dapo_reward_arguments) where the entry point reads them: verl's
+    main_ppo from +reward_model.reward_kwargs, DAPO's main_dapo from reward_model.overlong_buffer, with the
+    response length as max_resp_len."""
+    arguments, _ = dapo_reward_arguments(cfg)
+    if not recipe:
+        return [f"+reward_model.reward_kwargs={_hydra_value(arguments)}"]
+    if arguments["max_resp_len"] != cfg.data.max_response_length:
+        raise ConfigError(f"--to-verl: DAPO's recipe (main_dapo) measures overlong responses against "
+                          f"data.max_response_length={cfg.data.max_response_length}, but "
+                          f"reward_model.reward_kwargs.max_resp_len={arguments['max_resp_len']}; make them equal")
+    return [f"{RECIPE_BUFFER}.{key}={_hydra_value(value)}" for key, value in arguments["overlong_buffer_cfg"].items()
+            if value != DAPO_RECIPE[f"{RECIPE_BUFFER}.{key}"]]
+
+
 def to_verl(cfg, world_size=None):
     """verl's command line for the resolved config (the seed's backend_config flattened): every verl key whose value
     differs from verl's default or minirl's, so that the line loads in both to this config; then a comment listing
@@ -53,6 +68,8 @@ def to_verl(cfg, world_size=None):
         value, verl_default = get_dotted(cfg, dotted), get_dotted(VERL_DEFAULTS, dotted, None)
         if dotted == "trainer.n_gpus_per_node" and value is None and world_size:
             value = world_size
+        if dotted == "reward_model.reward_kwargs" or dotted.startswith(RECIPE_BUFFER):
+            continue                         # DAPO's reward arguments: below, where the entry point reads them
         if dotted in DAPO_RECIPE:            # main_ppo has none of them: without dynamic sampling they do nothing
             if value != DAPO_RECIPE[dotted]:
                 (args if dapo else left_out).append(f"{dotted}={_hydra_value(value)}")
@@ -71,6 +88,8 @@ def to_verl(cfg, world_size=None):
                      if verl_default.get(key, _ABSENT) != item or ours.get(key, _ABSENT) != item]
         else:
             args.append(f"{dotted}={_hydra_value(value)}")
+    if cfg.reward_model.reward_manager == "dapo":
+        args += _dapo_reward_args(cfg, recipe=dapo)
     lines = [f"python3 -m {'recipe.dapo.main_dapo' if dapo else 'verl.trainer.main_ppo'}"]
     lines += [shlex.quote(arg) for arg in args]
     return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "

@@ -143,7 +143,10 @@ VERL_DEFAULTS = {
 # (recipe/dapo/dapo_ray_trainer.py, RayDAPOTrainer.fit): dynamic sampling. --to-verl writes a run that filters
 # groups as `python3 -m recipe.dapo.main_dapo`; gen_batch_size null stands for the recipe's ${data.train_batch_size}.
 DAPO_RECIPE = {"data.gen_batch_size": None, "algorithm.filter_groups.enable": False,
-               "algorithm.filter_groups.metric": None, "algorithm.filter_groups.max_num_gen_batches": 0}
+               "algorithm.filter_groups.metric": None, "algorithm.filter_groups.max_num_gen_batches": 0,
+               # main_dapo hands these to DAPORewardManager as overlong_buffer_cfg (max_resp_len: the response length)
+               "reward_model.overlong_buffer.enable": False, "reward_model.overlong_buffer.len": 0,
+               "reward_model.overlong_buffer.penalty_factor": 0.0, "reward_model.overlong_buffer.log": False}
 
 # Keys verl v0.5.0 reads with a default although its yaml does not declare them (`config.get(key, default)`):
 # --to-verl passes them with Hydra's '+'.

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from batch_plan import batch_plan
-from config import DEFAULTS, ConfigError, load_config, settings_without_effect
+from config import DEFAULTS, ConfigError, dapo_reward_arguments, load_config, settings_without_effect
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_KEYS = ROOT / "docs" / "seed-keys.md"  # the seed's key list, one table row per key
@@ -118,9 +118,14 @@ DAPO_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.
 @pytest.mark.parametrize("overrides, message", [
     (["+reward_model.reward_kwargs.max_resp_len=512"], r"has \['max_resp_len'\], but reward_model.reward_manager="
                                                        r"naive takes no arguments"),
-    (DAPO_KWARGS[:1], r"reward_manager=dapo needs 'reward_model.reward_kwargs.overlong_buffer_cfg' and "
+    (DAPO_KWARGS[:2], r"reward_manager=dapo needs 'reward_model.reward_kwargs.overlong_buffer_cfg' and "
                       r"'reward_model.reward_kwargs.max_resp_len'.*\+reward_model.reward_kwargs.max_resp_len=16"),
-    (DAPO_KWARGS[:2], r"needs 'reward_model.reward_kwargs.overlong_buffer_cfg'"),
+    (["reward_model.overlong_buffer.enable=true"], r"'reward_model.overlong_buffer' is set, but "
+                                                   r"reward_model.reward_manager=naive takes no arguments"),
+    (DAPO_KWARGS + ["reward_model.overlong_buffer.enable=true"], r"set twice: in 'reward_model.reward_kwargs'.* and "
+                                                                 r"in 'reward_model.overlong_buffer' \(DAPO's recipe"),
+    (DAPO_KWARGS[:1] + ["reward_model.overlong_buffer.enable=true"], r"'reward_model.overlong_buffer.len'=0 must be "
+                                                                     r"at least 1"),
     (DAPO_KWARGS[:3], r"'reward_model.reward_kwargs.overlong_buffer_cfg.len' must be int, it is not set"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"], r"\.len'=0 must be at least 1"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.log=yes please"], r"\.log' must be bool"),
@@ -141,6 +146,14 @@ def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, m
                              "+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"]
     assert not load_config(write(paths, minimal(paths)), off, world_size=2).reward_model.reward_kwargs[
         "overlong_buffer_cfg"]["enable"]
+    # DAPO's recipe form (main_dapo): reward_model.overlong_buffer, the response length as max_resp_len; off unless set
+    recipe = ["data.max_response_length=16", "reward_model.reward_manager=dapo"]
+    assert dapo_reward_arguments(load_config(write(paths, minimal(paths)), recipe, world_size=2))[0] == {
+        "max_resp_len": 16, "overlong_buffer_cfg": {"enable": False, "len": 0, "penalty_factor": 0.0, "log": False}}
+    recipe += ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+               "reward_model.overlong_buffer.penalty_factor=0.5"]
+    assert dapo_reward_arguments(load_config(write(paths, minimal(paths)), recipe, world_size=2))[0] == {
+        "max_resp_len": 16, "overlong_buffer_cfg": {"enable": True, "len": 4, "penalty_factor": 0.5, "log": False}}
 
 
 DYNAMIC = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
@@ -499,15 +512,25 @@ def test_to_verl_writes_a_run_with_dynamic_sampling_for_dapos_recipe(paths):
     """verl's main_ppo has no dynamic sampling: the line runs DAPO's recipe, whose yaml declares its keys (no '+'),
     and loads back to the same config; without it the recipe's keys (at no effect) are listed as left out."""
     path = write(paths, minimal(paths))
-    dapo = DYNAMIC + ["data.gen_batch_size=24", "algorithm.filter_groups.max_num_gen_batches=10"]
+    dapo = DYNAMIC + ["data.gen_batch_size=24", "algorithm.filter_groups.max_num_gen_batches=10",
+                      "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
+                      "reward_model.overlong_buffer.len=128", "reward_model.overlong_buffer.penalty_factor=1.0"]
     out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl", *dapo],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr
     verl_args, minirl_only = _parse_verl_line(out.stdout, "recipe.dapo.main_dapo")
     assert {"data.gen_batch_size=24", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-            "algorithm.filter_groups.max_num_gen_batches=10"} <= set(verl_args)
+            "algorithm.filter_groups.max_num_gen_batches=10", "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=128", "reward_model.overlong_buffer.penalty_factor=1.0"} <= set(verl_args)
+    assert not any("reward_kwargs" in arg for arg in verl_args)                 # main_dapo does not read them
     assert load_config(None, verl_args + minirl_only, world_size=2) == load_config(path, dapo, world_size=2)
     out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl",
                           "algorithm.filter_groups.metric=acc"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     verl_args, minirl_only = _parse_verl_line(out.stdout)
     assert "algorithm.filter_groups.metric=acc" in minirl_only and not any("filter_groups" in a for a in verl_args)
+    # main_ppo reads the DAPO manager's arguments from reward_kwargs: the recipe form is written that way
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl", *dapo[4:]],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    verl_args, _ = _parse_verl_line(out.stdout)
+    assert ("+reward_model.reward_kwargs={max_resp_len: 512, overlong_buffer_cfg: {enable: true, len: 128, "
+            "penalty_factor: 1.0, log: false}}") in verl_args and not any("overlong_buffer." in a for a in verl_args)

@@ -162,9 +162,17 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
     assert len(rollouts) == 8 and all(line["acc"] == (line["score"] == 1.0) for line in rollouts)
 
 
-def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path):
+BUFFER_KEYS = ("enable", "len", "penalty_factor", "log")
+DAPO_FORMS = {  # the same buffer as verl's main_ppo reads it and as DAPO's recipe (main_dapo) does
+    "reward_kwargs": [f"+reward_model.reward_kwargs.overlong_buffer_cfg.{key}" for key in BUFFER_KEYS]
+    + ["+reward_model.reward_kwargs.max_resp_len=16"],
+    "recipe": [f"reward_model.overlong_buffer.{key}" for key in BUFFER_KEYS]}
+
+
+@pytest.mark.parametrize("form", DAPO_FORMS)
+def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path, form):
     """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
-    as DAPO's scripts pass them): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
+    as main_ppo's DAPO scripts pass them, or under reward_model.overlong_buffer as the recipe's): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
     penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
     reward function's score of the dumped text (the dict's "score", which replaces the penalised one in verl's dump
     too), the penalties lie on the ramp, the step's critic/score/mean is the batch mean of score + penalty, and
@@ -172,7 +180,7 @@ def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, 
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_RETURNING_A_DICT)
     out = tmp_path / "out"
-    kwargs = "+reward_model.reward_kwargs"
+    enable, length, factor, log, *max_resp_len = DAPO_FORMS[form]     # the recipe's is data.max_response_length=16
     torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
              f"data.train_files={demo_dir}/data/train.parquet", f"data.val_files={demo_dir}/data/test.parquet",
              f"af_output_dir={out}", f"custom_reward_function.path={reward_file}", "trainer.total_training_steps=1",
@@ -180,9 +188,8 @@ def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, 
              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
              "actor_rollout_ref.rollout.temperature=1.5", "reward_model.reward_manager=dapo",
-             f"{kwargs}.overlong_buffer_cfg.enable=true", f"{kwargs}.overlong_buffer_cfg.len=16",
-             f"{kwargs}.overlong_buffer_cfg.penalty_factor=2.0", f"{kwargs}.overlong_buffer_cfg.log=true",
-             f"{kwargs}.max_resp_len=16", f"trainer.rollout_data_dir={out}/rollouts")
+             f"{enable}=true", f"{length}=16", f"{factor}=2.0", f"{log}=true", *max_resp_len,
+             f"trainer.rollout_data_dir={out}/rollouts")
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     rollouts = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
     assert len(rollouts) == 8
