@@ -172,8 +172,8 @@ DAPO_FORMS = {  # the same buffer as verl's main_ppo reads it and as DAPO's reci
 @pytest.mark.parametrize("form", DAPO_FORMS)
 def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path, form):
     """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
-    as main_ppo's DAPO scripts pass them, or under reward_model.overlong_buffer as the recipe's): responses longer than max_resp_len - len lose (L - (max_resp_len - len)) / len x
-    penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
+    as main_ppo's DAPO scripts pass them, or under reward_model.overlong_buffer as the recipe's): responses longer
+    than max_resp_len - len lose (L - (max_resp_len - len)) / len x penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
     reward function's score of the dumped text (the dict's "score", which replaces the penalised one in verl's dump
     too), the penalties lie on the ramp, the step's critic/score/mean is the batch mean of score + penalty, and
     validation logs overlong_reward as a variable."""
