@@ -641,12 +641,23 @@ def dapo_reward_arguments(cfg):
 
 def _check_reward_manager(cfg):
     """The reward manager's arguments, as verl's entry points pass them (dapo_reward_arguments): naive takes none;
-    dapo (verl's DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with the buffer on its
-    len, penalty_factor and log (what verl's constructor and __call__ read)."""
+    batch hands reward_model.reward_kwargs to the (custom) function as keyword arguments; dapo (verl's
+    DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with the buffer on its len,
+    penalty_factor and log (what verl's constructor and __call__ read)."""
     manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
     prefix = "reward_model.reward_kwargs"
     recipe_buffer = {key: get_dotted(cfg, f"{RECIPE_BUFFER}.{key}") for key in OVERLONG_BUFFER_KEYS}
     recipe_buffer_set = recipe_buffer != {key: DAPO_RECIPE[f"{RECIPE_BUFFER}.{key}"] for key in OVERLONG_BUFFER_KEYS}
+    if manager == "batch":      # its arguments go to the reward function: any, but not DAPO's buffer
+        if not cfg.custom_reward_function.path:
+            raise ConfigError("reward_model.reward_manager=batch calls custom_reward_function with the whole batch "
+                              "(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...], "
+                              "**reward_kwargs) and the built-in scorers take one row: set "
+                              "custom_reward_function.path to a file with such a function")
+        if recipe_buffer_set:
+            raise ConfigError(f"'{RECIPE_BUFFER}' is set, but the overlong buffer belongs to "
+                              f"reward_model.reward_manager=dapo")
+        return
     if manager == "naive":
         if kwargs or recipe_buffer_set:
             where = f"'{prefix}' has {sorted(kwargs)}" if kwargs else f"'{RECIPE_BUFFER}' is set"

@@ -62,7 +62,8 @@ from config import (ConfigError, config_file_path, dapo_reward_arguments, load_c
                     settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
-from rewards import add_overlong_penalty, check_rows, load_reward_fn, score_responses, token_level_scores
+from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_responses,
+                     token_level_scores)
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
                      sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
@@ -240,11 +241,26 @@ class Trainer:
         texts = self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(batch["responses"], valid)],
                                             skip_special_tokens=True)
         ground_truths = [rm.get("ground_truth") for rm in batch["reward_model"]]
-        scores, extras = score_responses(self.reward_fn, texts, batch[self.cfg.data.reward_fn_key], ground_truths,
-                                         batch["extra_info"], batch["origin"])
+        rows = (texts, batch[self.cfg.data.reward_fn_key], ground_truths, batch["extra_info"], batch["origin"])
+        if self.cfg.reward_model.reward_manager == "batch":         # one call for every rank's rows, as verl makes it
+            scores, extras = self.score_as_one_batch(rows)
+        else:
+            scores, extras = score_responses(self.reward_fn, *rows)
         if self.cfg.reward_model.reward_manager == "dapo":          # DAPO's overlong penalty on every score
             scores = add_overlong_penalty(scores, extras, valid.sum(-1).tolist(), dapo_reward_arguments(self.cfg)[0])
         return torch.tensor(scores, dtype=torch.float32), extras
+
+    def score_as_one_batch(self, rows):
+        """reward_manager=batch: the reward function gets the whole batch in one call, as verl's driver makes it
+        (a batched function may score each response against the others): rank 0 calls it on every rank's rows and
+        sends each rank its share of the results. rows: this rank's (texts, sources, truths, extra infos, origins)."""
+        whole = [all_gather_rows(list(column), self.world_size) for column in rows]
+        results = [score_batch(self.reward_fn, *whole, self.cfg.reward_model.reward_kwargs) if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(results, src=0)
+        scores, extras = results[0]
+        mine = rows_of_rank(len(scores), self.rank, self.world_size)
+        return [scores[i] for i in mine], [extras[i] for i in mine]
 
     # -- one training step ----------------------------------------------------------------------------------
     def train_step(self, prompts):

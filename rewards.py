@@ -362,6 +362,44 @@ def score_responses(fn, responses, data_sources, ground_truths, extra_infos=None
     return scores, extras
 
 
+def score_batch(fn, responses, data_sources, ground_truths, extra_infos, origins, reward_kwargs):
+    """reward_manager=batch (verl's BatchRewardManager): one call for the whole batch,
+    fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...], **reward_kwargs), returning
+    one number or dict per row (a batched reward: an LLM judge, scores relative to the batch). Returns (scores,
+    extras) as score_responses does; a failure raises RewardFunctionError naming the batch or the row."""
+    name = getattr(fn, "__name__", repr(fn))
+    where = f"the batch of {len(responses)} responses ({origins[0]} .. {origins[-1]})" if origins else "an empty batch"
+    with stall_warnings(name) as current:
+        current.update(where=where, since=time.monotonic())
+        try:
+            results = fn(data_sources=list(data_sources), solution_strs=list(responses),
+                         ground_truths=list(ground_truths), extra_infos=list(extra_infos), **reward_kwargs)
+        except Exception as error:
+            raise RewardFunctionError(f"reward function {name} (reward_manager=batch) raised "
+                                      f"{type(error).__name__} on {where}: {error}", cause=error) from error
+        current["where"] = None
+    try:
+        results = list(results)
+    except TypeError:
+        results = None
+    if results is None or len(results) != len(responses):
+        raise RewardFunctionError(f"reward function {name} (reward_manager=batch) returned "
+                                  f"{'a ' + type(results).__name__ if results is None else len(results)} "
+                                  f"for {where}: it must return one score (a number or a dict with 'score') per "
+                                  f"response, in order")
+    scores, extras = [], []
+    for result, origin, source, response in zip(results, origins, data_sources, responses):
+        try:
+            score, extra = _score_and_extra(result)
+        except ValueError as error:
+            raise RewardFunctionError(f"reward function {name} (reward_manager=batch) returned a bad result for "
+                                      f"{origin} (data_source={source!r}, response={_excerpt(response)!r}): {error}") \
+                from error
+        scores.append(score)
+        extras.append(extra)
+    return scores, extras
+
+
 def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_factor):
     """DAPO's soft overlong punishment (verl's DAPORewardManager, reward_model.reward_manager=dapo): a response of
     L tokens longer than max_resp_len - buffer_len gets penalty_factor x (L - (max_resp_len - buffer_len)) /
@@ -375,8 +413,8 @@ def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_facto
 
 def add_overlong_penalty(scores, extras, response_lengths, reward_kwargs):
     """reward_manager=dapo: the scores with overlong_penalties added when reward_kwargs.overlong_buffer_cfg.enable
-    (reward_kwargs: config.dapo_reward_arguments, checked there); with its `log`, each row's extras also get the penalty and whether it
-    applied (verl's reward_extra_info "overlong_reward" and "overlong")."""
+    (reward_kwargs: config.dapo_reward_arguments, checked there); with its `log`, each row's extras also get the
+    penalty and whether it applied (verl's reward_extra_info "overlong_reward" and "overlong")."""
     buffer = reward_kwargs["overlong_buffer_cfg"]
     if not buffer["enable"]:
         return scores

@@ -90,6 +90,8 @@ def to_verl(cfg, world_size=None):
             args.append(f"{dotted}={_hydra_value(value)}")
     if cfg.reward_model.reward_manager == "dapo":
         args += _dapo_reward_args(cfg, recipe=dapo)
+    elif cfg.reward_model.reward_kwargs:        # batch: the reward function's own keyword arguments
+        args.append(f"+reward_model.reward_kwargs={_hydra_value(cfg.reward_model.reward_kwargs)}")
     lines = [f"python3 -m {'recipe.dapo.main_dapo' if dapo else 'verl.trainer.main_ppo'}"]
     lines += [shlex.quote(arg) for arg in args]
     return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "

@@ -126,6 +126,8 @@ DAPO_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.
                                                                  r"in 'reward_model.overlong_buffer' \(DAPO's recipe"),
     (DAPO_KWARGS[:1] + ["reward_model.overlong_buffer.enable=true"], r"'reward_model.overlong_buffer.len'=0 must be "
                                                                      r"at least 1"),
+    (["reward_model.reward_manager=batch"], r"reward_manager=batch calls custom_reward_function with the whole batch "
+                                            r".*set custom_reward_function.path"),
     (DAPO_KWARGS[:3], r"'reward_model.reward_kwargs.overlong_buffer_cfg.len' must be int, it is not set"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"], r"\.len'=0 must be at least 1"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.log=yes please"], r"\.log' must be bool"),
@@ -146,6 +148,16 @@ def test_reward_manager_arguments_are_checked_before_loading(paths, overrides, m
                              "+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"]
     assert not load_config(write(paths, minimal(paths)), off, world_size=2).reward_model.reward_kwargs[
         "overlong_buffer_cfg"]["enable"]
+    # batch: reward_kwargs are the custom function's own keyword arguments, anything
+    reward = paths["dir"] / "reward.py"
+    reward.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):\n"
+                      "    return [0.0] * len(solution_strs)\n")
+    batch = ["reward_model.reward_manager=batch", f"custom_reward_function.path={reward}",
+             "+reward_model.reward_kwargs.judge.url=http://localhost:1"]
+    assert load_config(write(paths, minimal(paths)), batch, world_size=2).reward_model.reward_kwargs == {
+        "judge": {"url": "http://localhost:1"}}
+    with pytest.raises(ConfigError, match=r"'reward_model.overlong_buffer' is set, but the overlong buffer belongs"):
+        load_config(write(paths, minimal(paths)), batch + ["reward_model.overlong_buffer.enable=true"], world_size=2)
     # DAPO's recipe form (main_dapo): reward_model.overlong_buffer, the response length as max_resp_len; off unless set
     recipe = ["data.max_response_length=16", "reward_model.reward_manager=dapo"]
     assert dapo_reward_arguments(load_config(write(paths, minimal(paths)), recipe, world_size=2))[0] == {

@@ -16,7 +16,7 @@ from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize,
 from rewards import (  # noqa: E402
     check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution,
     load_reward_fn, math_compute_score, math_dapo_compute_score, math_last_boxed_answer, minirl_add_compute_score,
-    overlong_penalties, score_responses, token_level_scores)
+    RewardFunctionError, overlong_penalties, score_batch, score_responses, token_level_scores)
 
 
 # --------------------------------------------------------------------------------------------- gsm8k
@@ -346,6 +346,32 @@ def test_a_dict_value_that_cannot_be_pickled_names_the_row_and_the_key():
 def test_score_responses_length_mismatch():
     with pytest.raises(ValueError, match="different lengths 2/1/2/2"):
         score_responses(default_compute_score, ["a", "b"], ["d"], ["", ""])
+
+
+def test_score_batch_calls_once_with_lists_and_the_kwargs():
+    """reward_manager=batch, verl's BatchRewardManager: fn(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=, **reward_kwargs) once; its per-row results are checked as one row's are."""
+    calls = []
+
+    def longest_wins(data_sources, solution_strs, ground_truths, extra_infos, bonus):
+        calls.append((data_sources, solution_strs, ground_truths, extra_infos))
+        longest = max(map(len, solution_strs))
+        return [{"score": float(len(s) == longest) + bonus, "longest": longest} for s in solution_strs]
+
+    scores, extras = score_batch(longest_wins, ["ab", "abcd", "abc"], ["d"] * 3, ["1", "2", "3"],
+                                 [None, {"i": 1}, None], ["row 0", "row 1", "row 2"], {"bonus": 0.5})
+    assert calls == [(["d"] * 3, ["ab", "abcd", "abc"], ["1", "2", "3"], [None, {"i": 1}, None])]
+    assert scores == [0.5, 1.5, 0.5] and extras[1] == {"score": 1.5, "longest": 4}
+    with pytest.raises(RewardFunctionError, match=r"returned 2 for the batch of 3 responses \(row 0 .. row 2\): it "
+                                                  r"must return one score"):
+        score_batch(lambda **kw: [1.0, 2.0], ["a", "b", "c"], ["d"] * 3, ["1"] * 3, [None] * 3,
+                    ["row 0", "row 1", "row 2"], {})
+    with pytest.raises(RewardFunctionError, match=r"returned a bad result for row 1 \(data_source='d', "
+                                                  r"response='b'\): score is nan"):
+        score_batch(lambda **kw: [1.0, float("nan")], ["a", "b"], ["d"] * 2, ["1"] * 2, [None] * 2,
+                    ["row 0", "row 1"], {})
+    with pytest.raises(RewardFunctionError, match=r"raised KeyError on the batch of 1 responses"):
+        score_batch(lambda **kw: {}["x"], ["a"], ["d"], ["1"], [None], ["row 0"], {})
 
 
 def test_overlong_penalties_by_hand():

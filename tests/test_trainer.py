@@ -162,6 +162,46 @@ def test_a_reward_functions_dict_results_reach_validation_metrics_and_dumps(demo
     assert len(rollouts) == 8 and all(line["acc"] == (line["score"] == 1.0) for line in rollouts)
 
 
+BATCH_REWARD = """
+import json
+import os
+
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus, calls_file):
+    # each response's score: the share of the batch's responses shorter than it, plus a bonus: the same response
+    # scores differently in another batch, so a call per rank would give other scores than one call for the batch
+    with open(calls_file, "a") as calls:
+        calls.write(json.dumps([os.environ["RANK"], len(solution_strs)]) + "\\n")
+    n = len(solution_strs)
+    return [sum(len(other) < len(s) for other in solution_strs) / n + bonus for s in solution_strs]
+"""
+
+
+def test_batch_reward_manager_scores_the_whole_batch_in_one_call(demo_dir, tmp_path):
+    """reward_model.reward_manager=batch (verl's BatchRewardManager): the custom function gets the step's 8
+    responses (2 ranks x 4) in one call with reward_model.reward_kwargs as keywords, on rank 0; each dumped score
+    equals the rule applied here to the step's dumped responses as one batch."""
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(BATCH_REWARD)
+    out, calls = tmp_path / "out", tmp_path / "calls.jsonl"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+             f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+             f"custom_reward_function.path={reward_file}", "trainer.total_training_steps=2",
+             "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.rollout.temperature=1.5", "reward_model.reward_manager=batch",
+             "+reward_model.reward_kwargs.bonus=0.25", f"+reward_model.reward_kwargs.calls_file={calls}",
+             f"trainer.rollout_data_dir={out}/rollouts")
+    assert [json.loads(line) for line in calls.read_text().splitlines()] == [["0", 8], ["0", 8]]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        lines = [json.loads(line) for line in (out / "rollouts" / f"{row['step']}.jsonl").read_text().splitlines()]
+        lengths = [len(line["output"]) for line in lines]
+        for line, length in zip(lines, lengths):
+            assert line["score"] == pytest.approx(sum(other < length for other in lengths) / 8 + 0.25)
+        assert row["critic/score/mean"] == pytest.approx(sum(line["score"] for line in lines) / 8, rel=1e-6)
+
+
 BUFFER_KEYS = ("enable", "len", "penalty_factor", "log")
 DAPO_FORMS = {  # the same buffer as verl's main_ppo reads it and as DAPO's recipe (main_dapo) does
     "reward_kwargs": [f"+reward_model.reward_kwargs.overlong_buffer_cfg.{key}" for key in BUFFER_KEYS]
