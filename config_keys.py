@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from data import TRUNCATION_MODES
-from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES
+from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES
 from verl_keys import DAPO_RECIPE, FREE_FORM, VERL_DEFAULTS
 
 
@@ -89,7 +89,10 @@ DEFAULTS = {
             "ppo_micro_batch_size_per_gpu": null(int, SIZE), "use_dynamic_bsz": False,
             "ppo_max_token_len_per_gpu": Key(16384, SIZE), "clip_ratio": Key(0.2, UNIT),
             "clip_ratio_low": null(float, UNIT), "clip_ratio_high": null(float, COUNT),
-            "clip_ratio_c": Key(3.0, "(1, inf)"), "policy_loss": {"loss_mode": "vanilla"},
+            "clip_ratio_c": Key(3.0, "(1, inf)"),
+            "policy_loss": {"loss_mode": "vanilla", "clip_cov_ratio": Key(2e-4, POSITIVE),
+                            "clip_cov_lb": Key(1.0, "(-inf, inf)"), "clip_cov_ub": Key(5.0, "(-inf, inf)"),
+                            "kl_cov_ratio": Key(2e-4, POSITIVE), "ppo_kl_coef": Key(0.1, COUNT)},
             "loss_agg_mode": "token-mean", "entropy_coeff": Key(0.0, "(-inf, inf)"), "use_kl_loss": False,
             "use_torch_compile": True, "kl_loss_coef": Key(0.001, COUNT), "kl_loss_type": "low_var_kl",
             "ppo_epochs": Key(1, SIZE), "shuffle": False, "ulysses_sequence_parallel_size": Key(1, SIZE),
@@ -178,6 +181,7 @@ DEFAULTS = {
 CHOICES = {
     "data.truncation": TRUNCATION_MODES,
     "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor_rollout_ref.actor.policy_loss.loss_mode": POLICY_LOSS_MODES,
     "actor_rollout_ref.actor.kl_loss_type": KL_PENALTY_KINDS,
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
@@ -204,7 +208,6 @@ NOT_YET = {
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
     # verl algorithms minirl does not have
-    "actor_rollout_ref.actor.policy_loss.loss_mode": ("vanilla", "a policy loss other than vanilla PPO-clip"),
     "algorithm.use_pf_ppo": (False, "PF-PPO reweighting of the batch"),
     "data.sampler.class_path": (None, "a custom (curriculum) sampler"),
     "reward_model.sandbox_fusion.url": (None, "sandbox-fusion code execution rewards"),

@@ -1,6 +1,7 @@
 """minirl's RL math: masked statistics, log-probs/entropy, advantage estimators, KL penalties, loss aggregation,
 the actor's and the critic's losses, and KL controllers. Pure torch: no distributed calls, no config objects, no
-model. Left out: verl's other policy-loss modes (gspo, clip-cov, ...) and the whole-vocabulary KL ("full").
+model. Left out: the policy-loss modes verl added after v0.5.0 other than gspo (sapo, geo_mean, cispo, ...) and the
+whole-vocabulary KL ("full").
 
 Every function follows verl's semantics (verl v0.5.0, verl/trainer/ppo/core_algos.py and
 verl/utils/torch_functional.py); each docstring gives the formula and verl's name.
@@ -512,10 +513,11 @@ LOSS_SHARES = ("pg_loss", "entropy_loss", "kl_loss", "vf_loss")
 def actor_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, entropy: Tensor | None,
                mask: Tensor, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
                entropy_coeff: float = 0.0, use_kl_loss: bool = False, kl_loss_coef: float = 0.001,
-               kl_loss_type: str = "low_var_kl", loss_agg_mode: str = "token-mean", global_tokens=None,
-               global_seqs=None, norm_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The actor's whole objective on one micro-batch (verl dp_actor `update_policy`: `compute_policy_loss`
-    "vanilla", `agg_loss`, `kl_penalty`). Inputs [B, R]; the keyword names are verl's actor config keys:
+               kl_loss_type: str = "low_var_kl", loss_agg_mode: str = "token-mean", policy_loss: dict | None = None,
+               global_tokens=None, global_seqs=None, norm_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's whole objective on one micro-batch (verl dp_actor `update_policy`: the policy loss of
+    `policy_loss.loss_mode`, `agg_loss`, `kl_penalty`). Inputs [B, R]; the keyword names are verl's actor config
+    keys. With loss_mode "vanilla" (the default; the other modes: POLICY_LOSSES):
         log_ratio = clamp(logp − old_logp, ±20);  ratio = e^log_ratio
         L1 = −A·ratio;  L2 = −A·clamp(ratio, 1 − clip_ratio_low, 1 + clip_ratio_high);  Lc = max(L1, L2)
         L3 = −A·clip_ratio_c;  L_pg = min(L3, Lc) where A < 0 else Lc                       (dual-clip PPO)
@@ -526,22 +528,33 @@ def actor_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantag
     Returns (loss, metrics), metrics detached: pg_loss, entropy_loss, kl_loss (the agg(·) terms: shares, see
     LOSS_SHARES) and this micro-batch's masked means pg_clipfrac = mean(L2 > L1), ppo_kl = mean(−log_ratio),
     pg_clipfrac_lower = mean((Lc > L3) & (A < 0)). clip_ratio_low/high must be resolved (verl falls back to
-    clip_ratio when they are null)."""
+    clip_ratio when they are null). policy_loss: verl's actor.policy_loss (loss_mode and its options)."""
     if clip_ratio_low is None or clip_ratio_high is None:
         raise ValueError("actor_loss: clip_ratio_low/high are None; resolve them to clip_ratio (verl's fallback)")
     if not clip_ratio_c > 1.0:
         raise ValueError(f"actor_loss: clip_ratio_c must be > 1.0 for the dual clip, got {clip_ratio_c}")
+    options = dict(policy_loss or {})
+    mode = options.pop("loss_mode", "vanilla")
     mask = mask.to(logp.dtype)  # [B, R]
     agg = functools.partial(agg_loss, mask=mask, mode=loss_agg_mode, global_tokens=global_tokens,
                             global_seqs=global_seqs, norm_len=norm_len)  # [B, R] -> scalar
-    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, R]
-    ratio = torch.exp(log_ratio)  # [B, R]
-    unclipped = -advantages * ratio  # [B, R]
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)  # [B, R]
-    clip_max = torch.maximum(unclipped, clipped)  # [B, R]
-    dual_bound = -advantages * clip_ratio_c  # [B, R]
-    negative = advantages < 0  # [B, R]
-    pg_losses = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)  # [B, R]
+    if mode == "vanilla":
+        log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        unclipped = -advantages * ratio  # [B, R]
+        clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)  # [B, R]
+        clip_max = torch.maximum(unclipped, clipped)  # [B, R]
+        dual_bound = -advantages * clip_ratio_c  # [B, R]
+        negative = advantages < 0  # [B, R]
+        pg_losses = torch.where(negative, torch.minimum(dual_bound, clip_max), clip_max)  # [B, R]
+        pg_metrics = dict(pg_clipfrac=masked_mean((clipped > unclipped).float(), mask),
+                          ppo_kl=masked_mean(-log_ratio, mask),
+                          pg_clipfrac_lower=masked_mean(((clip_max > dual_bound) & negative).float(), mask))
+    elif mode in POLICY_LOSSES:
+        pg_losses, pg_metrics = POLICY_LOSSES[mode](logp, old_logp, advantages, mask, clip_ratio_low=clip_ratio_low,
+                                                    clip_ratio_high=clip_ratio_high, **options)
+    else:
+        raise ValueError(f"unknown policy_loss.loss_mode '{mode}'; valid: vanilla, {', '.join(POLICY_LOSSES)}")
     metrics = {"pg_loss": agg(pg_losses)}  # scalar
     loss = metrics["pg_loss"]
     if entropy_coeff != 0:
@@ -550,9 +563,105 @@ def actor_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantag
     if use_kl_loss:
         metrics["kl_loss"] = agg(kl_penalty(logp, ref_logp, kl_loss_type))  # scalar
         loss = loss + kl_loss_coef * metrics["kl_loss"]
-    metrics.update(pg_clipfrac=masked_mean((clipped > unclipped).float(), mask), ppo_kl=masked_mean(-log_ratio, mask),
-                   pg_clipfrac_lower=masked_mean(((clip_max > dual_bound) & negative).float(), mask))
+    metrics.update(pg_metrics)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+# verl's other policy losses (actor.policy_loss.loss_mode; core_algos.py compute_policy_loss_<mode>, v0.5.0, and gspo
+# from the release after it). Each takes [B, R] inputs and returns (per-token losses [B, R], this micro-batch's
+# pg_clipfrac / ppo_kl / pg_clipfrac_lower, as verl reports them: 0 where a mode has none). clip_cov and kl_cov pick
+# tokens by statistics of the micro-batch they see, as verl's do: unlike the rest of the loss, their result depends on
+# how the mini-batch is cut into micro-batches.
+
+
+def _zero(like: Tensor) -> Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+def gpg_policy_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **_) -> tuple[Tensor, dict]:
+    """GPG (loss_mode gpg): the plain policy gradient, no ratio and no clip:  L = −logp·A."""
+    zero = _zero(logp)
+    return -logp * advantages, dict(pg_clipfrac=zero, ppo_kl=zero, pg_clipfrac_lower=zero)  # [B, R]
+
+
+def clip_cov_policy_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio_low: float,
+                           clip_ratio_high: float, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0,
+                           clip_cov_ub: float = 5.0, generator: torch.Generator | None = None,
+                           **_) -> tuple[Tensor, dict]:
+    """Clip-Cov (loss_mode clip_cov, "The Entropy Mechanism of RL for Reasoning LMs"): PPO-clip without the dual
+    clip, and the gradient cut off at a few tokens whose advantage and log-prob covary strongly:
+        ratio = e^(logp − old_logp) (no clamp);  L1, L2 as vanilla;  Lc = max(L1, L2)
+        cov = (A − mean_m(A))·(logp − mean_m(logp))            over this micro-batch's response tokens
+        candidates: tokens with clip_cov_lb < cov < clip_cov_ub that PPO did not clip (L2 ≤ L1)
+        k = max(1, ⌊clip_cov_ratio · Σm⌋) candidates drawn at random (torch.randperm): their loss × 0
+    pg_clipfrac = mean_m(cut), ppo_kl = mean_m(−(logp − old_logp))."""
+    log_ratio = logp - old_logp  # [B, R]
+    ratio = torch.exp(log_ratio)  # [B, R]
+    unclipped = -advantages * ratio  # [B, R]
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)  # [B, R]
+    valid = mask > 0  # [B, R]
+    cov = ((advantages - masked_mean(advantages, mask))
+           * (logp.detach() - masked_mean(logp.detach(), mask)))  # [B, R]
+    candidates = torch.nonzero(valid & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub))  # [n, 2]
+    keep = torch.ones_like(advantages)  # [B, R]
+    if len(candidates):          # verl draws only then: the same random numbers are used
+        count = max(int(clip_cov_ratio * mask.sum().item()), 1)
+        order = torch.randperm(len(candidates), generator=generator).to(candidates.device)  # [n]
+        chosen = candidates[order[:count]]  # [k, 2]
+        keep[chosen[:, 0], chosen[:, 1]] = 0
+    return torch.maximum(unclipped, clipped) * keep, dict(  # [B, R]
+        pg_clipfrac=masked_mean((keep == 0).float(), mask), ppo_kl=masked_mean(-log_ratio, mask),
+        pg_clipfrac_lower=_zero(logp))
+
+
+def kl_cov_policy_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                         kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 0.1, **_) -> tuple[Tensor, dict]:
+    """KL-Cov (loss_mode kl_cov, the same paper): no clip at all, and a KL penalty on the tokens whose advantage
+    and log-prob covary most:
+        ratio = e^(logp − old_logp);  L = −A·ratio
+        cov = (A − mean_m(A))·(logp − mean_m(logp))            over this micro-batch's response tokens
+        the k = max(1, ⌊kl_cov_ratio · Σm⌋) tokens of largest cov (torch.topk):
+            L = −A·ratio + ppo_kl_coef·|logp − old_logp|
+    ppo_kl = mean_m(|logp − old_logp|) (verl reports the absolute value here), pg_clipfrac = 0."""
+    log_ratio = logp - old_logp  # [B, R]
+    ratio = torch.exp(log_ratio)  # [B, R]
+    losses = -advantages * ratio  # [B, R]
+    valid = torch.nonzero(mask.reshape(-1) > 0, as_tuple=True)[0]  # [n] flat indices, row-major
+    if len(valid):
+        adv, lp = advantages.reshape(-1)[valid].detach(), logp.reshape(-1)[valid].detach()  # [n] each
+        cov = (adv - adv.mean()) * (lp - lp.mean())  # [n]
+        top = valid[torch.topk(cov, max(1, int(len(valid) * kl_cov_ratio))).indices]  # [k]
+        penalised = losses.reshape(-1).clone()  # [B·R]
+        penalised[top] = penalised[top] + ppo_kl_coef * log_ratio.abs().reshape(-1)[top]
+        losses = penalised.reshape(losses.shape)  # [B, R]
+    return losses, dict(pg_clipfrac=_zero(logp), ppo_kl=masked_mean(log_ratio.abs(), mask),
+                        pg_clipfrac_lower=_zero(logp))
+
+
+def gspo_policy_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio_low: float,
+                       clip_ratio_high: float, **_) -> tuple[Tensor, dict]:
+    """GSPO (loss_mode gspo, "Group Sequence Policy Optimization"): PPO-clip on one ratio per sequence, the
+    geometric mean of its tokens' ratios, carrying each token's own gradient:
+        s_i = exp(Σ_t m·(logp − old_logp) / max(Σ_t m, 1))
+        log s_i,t = min(sg[log s_i] + logp − sg[logp], 10)     (sg: no gradient; its value is log s_i)
+        L1 = −A·s_i,t;  L2 = −A·clamp(s_i,t, 1 − low, 1 + high);  L = max(L1, L2)
+    (verl recommends loss_agg_mode=seq-mean-token-mean for it)
+    pg_clipfrac = mean_m(L2 > L1), ppo_kl = mean_m(−(logp − old_logp))."""
+    log_ratio = logp - old_logp  # [B, R]
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    log_seq_ratio = torch.clamp(logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)  # [B, R]
+    ratio = torch.exp(log_seq_ratio)  # [B, R]
+    unclipped = -advantages * ratio  # [B, R]
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)  # [B, R]
+    return torch.maximum(unclipped, clipped), dict(  # [B, R]
+        pg_clipfrac=masked_mean((clipped > unclipped).float(), mask), ppo_kl=masked_mean(-log_ratio, mask),
+        pg_clipfrac_lower=_zero(logp))
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict]]] = {
+    "gpg": gpg_policy_losses, "clip_cov": clip_cov_policy_losses, "kl_cov": kl_cov_policy_losses,
+    "gspo": gspo_policy_losses}
+POLICY_LOSS_MODES = ("vanilla", *POLICY_LOSSES)
 
 
 def critic_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, cliprange_value: float = 0.5,

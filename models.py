@@ -466,7 +466,8 @@ class Policy(Worker):
                 micro["advantages"], entropy, micro["response_mask"], clip_ratio_low=actor.clip_ratio_low,
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
                 entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-                kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode, **counts)
+                kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode,
+                policy_loss=dict(actor.policy_loss), **counts)
 
         metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
         if on_policy:

@@ -441,11 +441,23 @@ def test_world_size_for_planning(paths, monkeypatch):
 
 
 def test_verl_keys_that_change_the_algorithm_are_refused(paths):
-    for override, feature in (("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "policy loss other than"),
-                              ("algorithm.use_pf_ppo=True", "PF-PPO"), ("data.sampler.class_path=my.py", "sampler"),
+    for override, feature in (("algorithm.use_pf_ppo=True", "PF-PPO"), ("data.sampler.class_path=my.py", "sampler"),
                               ("reward_model.sandbox_fusion.url=http://x", "sandbox")):
         with pytest.raises(ConfigError, match=rf"'{override.split('=')[0]}' enables .*{feature}"):
             load_config(write(paths, minimal(paths)), [override], world_size=2)
+
+
+def test_policy_loss_modes_are_verls_and_their_options_checked(paths):
+    kl_cov = ["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+              "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"]
+    cfg = load_config(write(paths, minimal(paths)), kl_cov, world_size=2)
+    assert dict(cfg.actor_rollout_ref.actor.policy_loss) == {
+        "loss_mode": "kl_cov", "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 2e-4,
+        "ppo_kl_coef": 1.0}                                                             # verl's defaults besides
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.policy_loss.loss_mode'.*gspo"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.policy_loss.loss_mode=gpsO"])
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref.actor.policy_loss.clip_cov_ratio'"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0"])
 
 
 def test_verl_keys_without_effect_warn_only_away_from_verls_default(paths):

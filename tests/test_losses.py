@@ -367,6 +367,86 @@ def test_actor_loss_micro_batch_shares_sum_to_the_mini_batch_loss(mode):
     close(sum(p[3] for p in pieces), whole[3])
 
 
+# The other policy losses (actor.policy_loss.loss_mode), on _policy_case: ratio [1.5, 1, 0.5, 4, 2 | 7 masked],
+# A [1, 1, -1, -1, -1 | 1]. Over the 5 response tokens: A − mean(A) = [1.2, 1.2, −0.8, −0.8, −0.8] (mean −0.2),
+# logp = ln ratio = [0.405, 0, −0.693, 1.386, 0.693], logp − mean(logp) = logp − ln6/5 = [0.047, −0.358, −1.052,
+# 1.028, 0.335], so cov = [0.057, −0.430, 0.841, −0.822, −0.268].
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    old, logp, adv, mask = _policy_case()
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask, policy_loss={"loss_mode": "gpg"})
+    # −logp·A = [−ln1.5, 0, ln0.5, ln4, ln2]: token-mean ln(0.5·4·2/1.5)/5 = ln(8/3)/5
+    close(loss, math.log(8 / 3) / 5)
+    close([metrics[k] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")], [0.0, 0.0, 0.0])
+    loss.backward()
+    close(logp.grad, [[-0.2, -0.2, 0.2, 0.2, 0.2, 0]])          # −A/5 on each response token
+
+
+def test_gspo_clips_one_ratio_per_sequence_and_keeps_each_tokens_gradient():
+    old, logp, adv, mask = _policy_case()
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask, policy_loss={"loss_mode": "gspo"})
+    # s = (1.5·1·0.5·4·2)^(1/5) = 6^0.2 ≈ 1.431 on every token. A = 1: max(−s, −1.2) = −1.2 (clipped);
+    # A = −1: max(s, 1.2) = s. token-mean (−2.4 + 3s)/5
+    s = 6 ** 0.2
+    close(loss, (-2.4 + 3 * s) / 5)
+    close(metrics["pg_clipfrac"], 2 / 5)
+    close(metrics["ppo_kl"], -math.log(6) / 5)
+    loss.backward()
+    # each unclipped token's loss −A·s_t has d/dlogp_t = −A·s (its own token only): s/5 on tokens 2-4
+    close(logp.grad, [[0, 0, s / 5, s / 5, s / 5, 0]])
+    # two sequences get their own ratios: row 2 at ratio 2 on both tokens, A = 1: clipped to 1.2
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    two_rows = L.gspo_policy_losses(torch.log(t([[1.5, 1.0], [2.0, 2.0]])), torch.zeros(2, 2), torch.ones(2, 2),
+                                    torch.ones(2, 2), **clip)[0]
+    close(two_rows, [[-1.2, -1.2], [-1.2, -1.2]])
+    close(L.gspo_policy_losses(torch.log(t([[1.1, 1.0]])), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                               **clip)[0], [[-1.1 ** 0.5] * 2])
+
+
+def test_kl_cov_penalises_the_tokens_of_largest_covariance():
+    old, logp, adv, mask = _policy_case()
+    options = {"loss_mode": "kl_cov", "kl_cov_ratio": 2e-4, "ppo_kl_coef": 1.0}
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask, policy_loss=options)
+    # no clip: −A·ratio = [−1.5, −1, 0.5, 4, 2]; k = max(1, ⌊5·2e-4⌋) = 1: token 2 (cov 0.841) gets + 1·|ln 0.5|
+    close(loss, (4 + math.log(2)) / 5)
+    close(metrics["ppo_kl"], (math.log(1.5) + 4 * math.log(2)) / 5)      # mean |log ratio|
+    close(metrics["pg_clipfrac"], 0.0)
+    # kl_cov_ratio 0.5: k = ⌊2.5⌋ = 2: tokens 2 and 0 (cov 0.057, the next largest)
+    loss, _ = L.actor_loss(logp, old, None, adv, None, mask, policy_loss={**options, "kl_cov_ratio": 0.5})
+    close(loss, (4 + math.log(2) + math.log(1.5)) / 5)
+
+
+def test_clip_cov_cuts_the_gradient_at_unclipped_tokens_in_the_covariance_band():
+    old, logp, adv, mask = _policy_case()
+    options = {"loss_mode": "clip_cov", "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask, policy_loss=options)
+    # no token has cov in (1, 5): PPO-clip without the dual clip: [−1.2, −1, 0.8, 4, 2] -> 4.6/5
+    close(loss, 4.6 / 5)
+    close([metrics["pg_clipfrac"], metrics["ppo_kl"]], [0.0, -math.log(6) / 5])
+    # band (−1, 0.5): tokens 1, 3, 4 (0 and 2 are PPO-clipped, so never cut); ratio 1: k = 5 ≥ 3, all three cut
+    band = {**options, "clip_cov_lb": -1.0, "clip_cov_ub": 0.5}
+    logp.grad = None
+    loss, metrics = L.actor_loss(logp, old, None, adv, None, mask, policy_loss={**band, "clip_cov_ratio": 1.0})
+    close(loss, (-1.2 + 0.8) / 5)
+    close(metrics["pg_clipfrac"], 3 / 5)
+    loss.backward()
+    close(logp.grad, [[0.0] * 6])                   # clipped or cut: no token passes a gradient
+    # ratio 0.5: k = ⌊2.5⌋ = 2 of the 3 candidates, drawn at random: every draw cuts two of tokens 1, 3, 4
+    for seed in range(6):
+        losses, metrics = L.clip_cov_policy_losses(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                   **{**band, "clip_cov_ratio": 0.5},
+                                                   generator=torch.Generator().manual_seed(seed))
+        cut = [i for i in range(5) if losses[0, i] == 0]
+        assert len(cut) == 2 and set(cut) <= {1, 3, 4} and metrics["pg_clipfrac"] == pytest.approx(2 / 5)
+
+
+def test_an_unknown_policy_loss_mode_is_named():
+    old, logp, adv, mask = _policy_case()
+    with pytest.raises(ValueError, match="unknown policy_loss.loss_mode 'ppo'; valid: vanilla, gpg, clip_cov"):
+        L.actor_loss(logp, old, None, adv, None, mask, policy_loss={"loss_mode": "ppo"})
+
+
 def test_critic_loss():
     values = t([[1.0, 2.0, 5.0]]).requires_grad_(True)
     old = t([[0.0, 1.0, 0.0]])

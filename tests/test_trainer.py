@@ -213,10 +213,10 @@ DAPO_FORMS = {  # the same buffer as verl's main_ppo reads it and as DAPO's reci
 def test_dapo_reward_manager_adds_the_overlong_penalty_to_every_score(demo_dir, tmp_path, form):
     """verl's DAPORewardManager (reward_model.reward_manager=dapo, its arguments under reward_model.reward_kwargs
     as main_ppo's DAPO scripts pass them, or under reward_model.overlong_buffer as the recipe's): responses longer
-    than max_resp_len - len lose (L - (max_resp_len - len)) / len x penalty_factor. Here max_resp_len 16, len 16, factor 2: every response loses L/8. Each dumped score is the
-    reward function's score of the dumped text (the dict's "score", which replaces the penalised one in verl's dump
-    too), the penalties lie on the ramp, the step's critic/score/mean is the batch mean of score + penalty, and
-    validation logs overlong_reward as a variable."""
+    than max_resp_len - len lose (L - (max_resp_len - len)) / len x penalty_factor. Here max_resp_len 16, len 16,
+    factor 2: every response loses L/8. Each dumped score is the reward function's score of the dumped text (the
+    dict's "score", which replaces the penalised one in verl's dump too), the penalties lie on the ramp, the step's
+    critic/score/mean is the batch mean of score + penalty, and validation logs overlong_reward as a variable."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_RETURNING_A_DICT)
     out = tmp_path / "out"
@@ -346,6 +346,13 @@ VARIANTS = {
 }
 
 
+OTHER_POLICY_LOSSES = {   # on 2 ranks, 2 micro-batches each: the hand-written losses below are over the whole batch
+    "gspo": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,actor_rollout_ref.actor.policy_loss.loss_mode=gspo,"
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    "gpg": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
+}
+
+
 WORLD2_CHECKPOINTING = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,"
                         "actor_rollout_ref.model.enable_gradient_checkpointing=true")      # 2 micro-batches per rank
 TWO_STEPS = "actor_rollout_ref.actor.ppo_mini_batch_size=2,actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"
@@ -363,7 +370,8 @@ def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
               f"world2_checkpointing:{WORLD2_CHECKPOINTING}",
               f"world2_gathered:{WORLD2_CHECKPOINTING},{KEEP_GATHERED}",
-              f"world2_two_steps:{TWO_STEPS}", f"world2_two_steps_gathered:{TWO_STEPS},{KEEP_GATHERED}"]
+              f"world2_two_steps:{TWO_STEPS}", f"world2_two_steps_gathered:{TWO_STEPS},{KEEP_GATHERED}",
+              *(f"world2_{name}:{overrides}" for name, overrides in OTHER_POLICY_LOSSES.items())]
     torchrun(2, "tests/oracle_step.py", fixed_batch, out / "w2.pt", tiny_model_dir, *world2)
     return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
 
@@ -439,9 +447,28 @@ def test_a_log_prob_pass_leaves_no_parameter_gathered(oracle_results):
         assert result["gathered_after_log_prob"] == [], name
 
 
-def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir):
-    """The trainer's gradient equals autograd of the loss written out here over the whole batch at once:
-    token-mean PPO-clip loss - 0.01 * token-mean entropy + 0.1 * token-mean k3 KL (clip 0.2, dual clip 3)."""
+def hand_written_policy_loss(mode, logp, old_logp, A, mask):
+    """The per-token policy loss of each loss_mode, written out here: vanilla dual-clip PPO (clip 0.2, dual clip 3),
+    GSPO (one clipped ratio per sequence, the geometric mean of its tokens', carrying each token's gradient), GPG."""
+    if mode == "gpg":
+        return -logp * A
+    if mode == "gspo":
+        seq = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        ratio = torch.exp(torch.clamp(logp - logp.detach() + seq.detach()[:, None], max=10))
+        return torch.maximum(-A * ratio, -A * torch.clamp(ratio, 0.8, 1.2))
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20, 20))
+    clipped = torch.maximum(-A * ratio, -A * torch.clamp(ratio, 0.8, 1.2))
+    return torch.where(A < 0, torch.minimum(clipped, -A * 3.0), clipped)
+
+
+@pytest.mark.parametrize("result, mode, agg", [("base", "vanilla", "token-mean"),
+                                               ("world2_gspo", "gspo", "seq-mean-token-mean"),
+                                               ("world2_gpg", "gpg", "token-mean")])
+def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir, result, mode,
+                                                         agg):
+    """The trainer's gradient equals autograd of the loss written out here over the whole batch at once: the policy
+    loss of actor.policy_loss.loss_mode - 0.01 * entropy + 0.1 * k3 KL, each aggregated by loss_agg_mode (for
+    gspo and gpg on 2 ranks with 2 micro-batches each)."""
     batch = torch.load(fixed_batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     mask = batch["response_mask"].float()
@@ -451,21 +478,24 @@ def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_b
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    A = batch["advantages"]
-    ratio = torch.exp(torch.clamp(logp - batch["old_log_probs"], -20, 20))
-    clipped = torch.maximum(-A * ratio, -A * torch.clamp(ratio, 0.8, 1.2))
-    pg = torch.where(A < 0, torch.minimum(clipped, -A * 3.0), clipped)
+    pg = hand_written_policy_loss(mode, logp, batch["old_log_probs"], batch["advantages"], mask)
     x = torch.clamp(batch["ref_log_prob"] - logp, -20, 20)
     k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
-    n = mask.sum()
-    loss = (pg * mask).sum() / n - 0.01 * (entropy * mask).sum() / n + 0.1 * (k3 * mask).sum() / n
+
+    def agg_over_batch(values):
+        if agg == "token-mean":
+            return (values * mask).sum() / mask.sum()
+        return ((values * mask).sum(-1) / mask.sum(-1)).mean()         # seq-mean-token-mean: no empty rows here
+
+    assert (mask.sum(-1) > 0).all()
+    loss = agg_over_batch(pg) - 0.01 * agg_over_batch(entropy) + 0.1 * agg_over_batch(k3)
     loss.backward()
     # the trainer clips the gradient norm to grad_clip=1.0 in place (torch: scale by 1/(norm + 1e-6) when > 1)
     norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
-    assert oracle_results["base"]["metrics"]["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    assert oracle_results[result]["metrics"]["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-4)
     scale = min(1.0, 1.0 / (float(norm) + 1e-6))
     for name, param in model.named_parameters():
-        assert torch.allclose(oracle_results["base"]["grads"][name], param.grad * scale, atol=1e-7, rtol=1e-4), name
+        assert torch.allclose(oracle_results[result]["grads"][name], param.grad * scale, atol=1e-7, rtol=1e-4), name
 
 
 def test_an_unwritable_output_folder_is_a_clear_error_before_models_load(demo_dir, tmp_path):
