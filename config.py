@@ -640,8 +640,8 @@ def dapo_reward_arguments(cfg):
 
 
 def _check_reward_manager(cfg):
-    """The reward manager's arguments, as verl's entry points pass them (dapo_reward_arguments): naive takes none;
-    batch hands reward_model.reward_kwargs to the (custom) function as keyword arguments; dapo (verl's
+    """The reward manager's arguments, as verl's entry points pass them (dapo_reward_arguments): naive and prime
+    take none; batch hands reward_model.reward_kwargs to the (custom) function as keyword arguments; dapo (verl's
     DAPORewardManager) needs max_resp_len and overlong_buffer_cfg.enable, and with the buffer on its len,
     penalty_factor and log (what verl's constructor and __call__ read)."""
     manager, kwargs = cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs
@@ -658,11 +658,11 @@ def _check_reward_manager(cfg):
             raise ConfigError(f"'{RECIPE_BUFFER}' is set, but the overlong buffer belongs to "
                               f"reward_model.reward_manager=dapo")
         return
-    if manager == "naive":
+    if manager in ("naive", "prime"):
         if kwargs or recipe_buffer_set:
             where = f"'{prefix}' has {sorted(kwargs)}" if kwargs else f"'{RECIPE_BUFFER}' is set"
-            raise ConfigError(f"{where}, but reward_model.reward_manager=naive takes no arguments; the overlong "
-                              f"buffer belongs to reward_model.reward_manager=dapo")
+            raise ConfigError(f"{where}, but reward_model.reward_manager={manager} takes no arguments; the "
+                              f"overlong buffer belongs to reward_model.reward_manager=dapo")
         return
     if kwargs and recipe_buffer_set:
         raise ConfigError(f"DAPO's overlong buffer is set twice: in '{prefix}' (verl's main_ppo reads it) and in "

@@ -195,7 +195,7 @@ CHOICES = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
-    "reward_model.reward_manager": ("naive", "dapo", "batch"),
+    "reward_model.reward_manager": ("naive", "dapo", "batch", "prime"),
 }
 LOGGERS = ("console", "tensorboard", "wandb")
 

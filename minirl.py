@@ -62,8 +62,8 @@ from config import (ConfigError, config_file_path, dapo_reward_arguments, load_c
                     settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
-from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_responses,
-                     token_level_scores)
+from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_in_processes,
+                     score_responses, token_level_scores)
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
                      sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
@@ -244,6 +244,8 @@ class Trainer:
         rows = (texts, batch[self.cfg.data.reward_fn_key], ground_truths, batch["extra_info"], batch["origin"])
         if self.cfg.reward_model.reward_manager == "batch":         # one call for every rank's rows, as verl makes it
             scores, extras = self.score_as_one_batch(rows)
+        elif self.cfg.reward_model.reward_manager == "prime":       # in a process pool, failures and timeouts 0.0
+            scores, extras = score_in_processes(self.reward_fn, *rows)
         else:
             scores, extras = score_responses(self.reward_fn, *rows)
         if self.cfg.reward_model.reward_manager == "dapo":          # DAPO's overlong penalty on every score

@@ -19,12 +19,15 @@ math_grader.py.
 """
 import importlib.util
 import math
+import multiprocessing
 import os
 import pickle
 import re
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 
 import torch
@@ -393,6 +396,60 @@ def score_batch(fn, responses, data_sources, ground_truths, extra_infos, origins
             score, extra = _score_and_extra(result)
         except ValueError as error:
             raise RewardFunctionError(f"reward function {name} (reward_manager=batch) returned a bad result for "
+                                      f"{origin} (data_source={source!r}, response={_excerpt(response)!r}): {error}") \
+                from error
+        scores.append(score)
+        extras.append(extra)
+    return scores, extras
+
+
+PRIME_TIMEOUT_S = 300.0         # verl's PrimeRewardManager: a response's scoring is given up after this long
+PRIME_MAX_WORKERS = 64          # ... in a pool of up to this many processes (a stuck call holds one up)
+_prime_fn = None                # the function the pool's forked workers call: inherited, so it need not pickle
+
+
+def _call_prime_fn(*args):
+    return _prime_fn(*args)
+
+
+def score_in_processes(fn, responses, data_sources, ground_truths, extra_infos, origins, timeout_s=PRIME_TIMEOUT_S):
+    """reward_manager=prime (verl's PrimeRewardManager, for rewards that run untrusted code): every response is
+    scored in a pool of forked processes, fn(data_source, solution_str, ground_truth, extra_info) positionally, all
+    within timeout_s of the start; a call that raises or runs out of time scores 0.0 (a warning names the row)
+    instead of stopping the run, and the pool's processes are killed afterwards, so a response stuck in a loop is
+    stopped too. A list or tuple result counts by its first element (verl's rule). Returns (scores, extras)."""
+    global _prime_fn
+    name = getattr(fn, "__name__", repr(fn))
+    workers = max(1, min(PRIME_MAX_WORKERS, len(responses)))
+    _prime_fn = fn
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+    try:
+        futures = [pool.submit(_call_prime_fn, source, response, truth, info)
+                   for response, source, truth, info in zip(responses, data_sources, ground_truths, extra_infos)]
+        futures_wait(futures, timeout=timeout_s)
+        results = []
+        for future, origin in zip(futures, origins):
+            if not future.done():
+                failure = f"ran past {timeout_s:g} s"
+            elif future.exception() is not None:
+                failure = f"raised {type(future.exception()).__name__}: {future.exception()}"
+            else:
+                results.append(future.result())
+                continue
+            print(f"warning: reward function {name} (reward_manager=prime) {failure} on {origin}; scored 0.0",
+                  file=sys.stderr, flush=True)
+            results.append(0.0)
+    finally:
+        for process in list(getattr(pool, "_processes", {}).values()):     # the workers, stuck ones included
+            process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)       # the pool then reaps them (it finds them dead)
+        _prime_fn = None
+    scores, extras = [], []
+    for result, origin, source, response in zip(results, origins, data_sources, responses):
+        try:
+            score, extra = _score_and_extra(result[0] if isinstance(result, (list, tuple)) else result)
+        except (ValueError, IndexError) as error:
+            raise RewardFunctionError(f"reward function {name} (reward_manager=prime) returned a bad result for "
                                       f"{origin} (data_source={source!r}, response={_excerpt(response)!r}): {error}") \
                 from error
         scores.append(score)

@@ -128,6 +128,8 @@ DAPO_KWARGS = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.
                                                                      r"at least 1"),
     (["reward_model.reward_manager=batch"], r"reward_manager=batch calls custom_reward_function with the whole batch "
                                             r".*set custom_reward_function.path"),
+    (["reward_model.reward_manager=prime", "+reward_model.reward_kwargs.timeout=5"],
+     r"has \['timeout'\], but reward_model.reward_manager=prime takes no arguments"),
     (DAPO_KWARGS[:3], r"'reward_model.reward_kwargs.overlong_buffer_cfg.len' must be int, it is not set"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.len=0"], r"\.len'=0 must be at least 1"),
     (DAPO_KWARGS + ["+reward_model.reward_kwargs.overlong_buffer_cfg.log=yes please"], r"\.log' must be bool"),

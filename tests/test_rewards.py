@@ -16,7 +16,7 @@ from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize,
 from rewards import (  # noqa: E402
     check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution,
     load_reward_fn, math_compute_score, math_dapo_compute_score, math_last_boxed_answer, minirl_add_compute_score,
-    RewardFunctionError, overlong_penalties, score_batch, score_responses, token_level_scores)
+    RewardFunctionError, overlong_penalties, score_batch, score_in_processes, score_responses, token_level_scores)
 
 
 # --------------------------------------------------------------------------------------------- gsm8k
@@ -372,6 +372,40 @@ def test_score_batch_calls_once_with_lists_and_the_kwargs():
                     ["row 0", "row 1"], {})
     with pytest.raises(RewardFunctionError, match=r"raised KeyError on the batch of 1 responses"):
         score_batch(lambda **kw: {}["x"], ["a"], ["d"], ["1"], [None], ["row 0"], {})
+
+
+SANDBOXED = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "loop":                 # a program that never ends
+        while True:
+            pass
+    if solution_str == "crash":
+        raise RuntimeError("sandbox crashed")
+    if solution_str == "tuple":
+        return 0.75, "details"
+    if solution_str == "dict":
+        return {"score": 0.5, "passed": 3}
+    return float(len(solution_str)) if ground_truth == "len" else 0.25
+"""
+
+
+def test_prime_scores_in_processes_and_turns_failures_and_timeouts_into_zero(tmp_path, capsys):
+    """reward_manager=prime (verl's PrimeRewardManager): each response scored in a forked process pool, a call that
+    raises or runs past the timeout scores 0.0 with a warning naming the row, a tuple counts by its first element,
+    and no process outlives the call (the endless loop's included). The function comes from a file, as
+    custom_reward_function loads it: it need not be picklable (the workers inherit it)."""
+    import multiprocessing
+    path = tmp_path / "sandboxed.py"
+    path.write_text(SANDBOXED)
+    texts = ["ab", "loop", "crash", "tuple", "dict", "abcd"]
+    scores, extras = score_in_processes(load_reward_fn(str(path)), texts, ["code"] * 6, ["len"] * 6, [None] * 6,
+                                        [f"row {i}" for i in range(6)], timeout_s=3)
+    assert scores == [2.0, 0.0, 0.0, 0.75, 0.5, 4.0]
+    assert extras[4] == {"score": 0.5, "passed": 3} and extras[0] == {}
+    warnings = capsys.readouterr().err
+    assert "(reward_manager=prime) ran past 3 s on row 1; scored 0.0" in warnings
+    assert "raised RuntimeError: sandbox crashed on row 2; scored 0.0" in warnings
+    assert not [child for child in multiprocessing.active_children() if child.is_alive()]
 
 
 def test_overlong_penalties_by_hand():

@@ -202,6 +202,36 @@ def test_batch_reward_manager_scores_the_whole_batch_in_one_call(demo_dir, tmp_p
         assert row["critic/score/mean"] == pytest.approx(sum(line["score"] for line in lines) / 8, rel=1e-6)
 
 
+PRIME_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if "####" not in solution_str:
+        raise ValueError("no answer to run")
+    return 1.0
+"""
+
+
+def test_prime_reward_manager_scores_in_a_process_pool_and_zeroes_failures(demo_dir, tmp_path):
+    """reward_model.reward_manager=prime (verl's PrimeRewardManager) in a real 2-rank run: the function runs in
+    processes forked from the trainer; a response it raises on scores 0.0 (one warning each) instead of stopping
+    the run, the others score as the function says."""
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(PRIME_REWARD)
+    out = tmp_path / "out"
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={out}",
+                   f"custom_reward_function.path={reward_file}", "trainer.total_training_steps=2",
+                   "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                   "actor_rollout_ref.rollout.temperature=2.0", "reward_model.reward_manager=prime",
+                   f"trainer.rollout_data_dir={out}/rollouts")
+    lines = [json.loads(line) for step in (1, 2)
+             for line in (out / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+    assert len(lines) == 32
+    assert [line["score"] for line in lines] == [float("####" in line["output"]) for line in lines]
+    failed = sum("####" not in line["output"] for line in lines)
+    assert failed and run.stderr.count("(reward_manager=prime) raised ValueError: no answer to run") == failed
+
+
 BUFFER_KEYS = ("enable", "len", "penalty_factor", "log")
 DAPO_FORMS = {  # the same buffer as verl's main_ppo reads it and as DAPO's recipe (main_dapo) does
     "reward_kwargs": [f"+reward_model.reward_kwargs.overlong_buffer_cfg.{key}" for key in BUFFER_KEYS]
