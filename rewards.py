@@ -390,14 +390,19 @@ def score_batch(fn, responses, data_sources, ground_truths, extra_infos, origins
                                   f"{'a ' + type(results).__name__ if results is None else len(results)} "
                                   f"for {where}: it must return one score (a number or a dict with 'score') per "
                                   f"response, in order")
+    return _checked_results(results, f"{name} (reward_manager=batch)", origins, data_sources, responses)
+
+
+def _checked_results(results, who, origins, data_sources, responses):
+    """(scores, extras) of a manager's per-row results (_score_and_extra each), or RewardFunctionError naming the
+    row whose result is not a score."""
     scores, extras = [], []
     for result, origin, source, response in zip(results, origins, data_sources, responses):
         try:
             score, extra = _score_and_extra(result)
         except ValueError as error:
-            raise RewardFunctionError(f"reward function {name} (reward_manager=batch) returned a bad result for "
-                                      f"{origin} (data_source={source!r}, response={_excerpt(response)!r}): {error}") \
-                from error
+            raise RewardFunctionError(f"reward function {who} returned a bad result for {origin} "
+                                      f"(data_source={source!r}, response={_excerpt(response)!r}): {error}") from error
         scores.append(score)
         extras.append(extra)
     return scores, extras
@@ -444,17 +449,8 @@ def score_in_processes(fn, responses, data_sources, ground_truths, extra_infos, 
             process.kill()
         pool.shutdown(wait=True, cancel_futures=True)       # the pool then reaps them (it finds them dead)
         _prime_fn = None
-    scores, extras = [], []
-    for result, origin, source, response in zip(results, origins, data_sources, responses):
-        try:
-            score, extra = _score_and_extra(result[0] if isinstance(result, (list, tuple)) else result)
-        except (ValueError, IndexError) as error:
-            raise RewardFunctionError(f"reward function {name} (reward_manager=prime) returned a bad result for "
-                                      f"{origin} (data_source={source!r}, response={_excerpt(response)!r}): {error}") \
-                from error
-        scores.append(score)
-        extras.append(extra)
-    return scores, extras
+    results = [result[0] if isinstance(result, (list, tuple)) and result else result for result in results]
+    return _checked_results(results, f"{name} (reward_manager=prime)", origins, data_sources, responses)
 
 
 def overlong_penalties(response_lengths, max_resp_len, buffer_len, penalty_factor):
