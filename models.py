@@ -21,6 +21,7 @@ from config import ConfigError
 from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, shared_prompt_groups,
                      shares_prompts, token_logprobs, token_values, unwrapped)
 from losses import logprobs_and_entropy
+from runtime import sampling_seed
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and sharding
@@ -453,6 +454,14 @@ class Policy(Worker):
             batch = {**batch, "row": self.row_numbers(b)}
             self.on_policy_outputs = (torch.zeros(b * self.sp, response_len), torch.zeros(b * self.sp, response_len))
 
+        policy_loss = dict(actor.policy_loss)
+        if policy_loss["loss_mode"] == "clip_cov":
+            # its random pick of tokens, from a generator seeded per update: the same on the ranks of a Ulysses
+            # group (they compute one loss on the same rows) and again after a resume (verl: torch's global RNG)
+            dp_index = dist.get_rank() // self.sp if dist.is_initialized() else 0
+            seed = sampling_seed(self.cfg.trainer.seed, self.scheduler.last_epoch, dp_index, "clip_cov")
+            policy_loss["generator"] = torch.Generator().manual_seed(seed)
+
         def loss_fn(micro, counts):
             logp, entropy = self.forward(micro, arr.rollout.temperature,
                                          calc_entropy=actor.entropy_coeff != 0 or on_policy,
@@ -467,7 +476,7 @@ class Policy(Worker):
                 clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
                 entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
                 kl_loss_type=actor.kl_loss_type, loss_agg_mode=actor.loss_agg_mode,
-                policy_loss=dict(actor.policy_loss), **counts)
+                policy_loss=policy_loss, **counts)
 
         metrics = self.optimize(batch, MiniBatchPlan.of(actor, arr.rollout.n, dp_size), loss_fn, "actor/")
         if on_policy:

@@ -380,6 +380,13 @@ OTHER_POLICY_LOSSES = {   # on 2 ranks, 2 micro-batches each: the hand-written l
     "gspo": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,actor_rollout_ref.actor.policy_loss.loss_mode=gspo,"
             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
     "gpg": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2,actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
+    # one micro-batch per rank: kl_cov's and clip_cov's token choice is over each rank's 4 rows
+    "kl_cov": ",".join(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"] + [
+        f"actor_rollout_ref.actor.policy_loss.{option}" for option in ("loss_mode=kl_cov", "kl_cov_ratio=0.2",
+                                                                       "ppo_kl_coef=1.0")]),
+    "clip_cov": ",".join(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"] + [
+        f"actor_rollout_ref.actor.policy_loss.{option}" for option in ("loss_mode=clip_cov", "clip_cov_ratio=1.0",
+                                                                       "clip_cov_lb=-1e9", "clip_cov_ub=1e9")]),
 }
 
 
@@ -482,6 +489,20 @@ def hand_written_policy_loss(mode, logp, old_logp, A, mask):
     GSPO (one clipped ratio per sequence, the geometric mean of its tokens', carrying each token's gradient), GPG."""
     if mode == "gpg":
         return -logp * A
+    ratio = torch.exp(logp - old_logp)
+    if mode in ("kl_cov", "clip_cov"):         # each rank's 4 rows (one micro-batch) choose their own tokens
+        losses = []
+        for rows in (slice(0, 4), slice(4, 8)):
+            a, lp, m, r = A[rows], logp[rows], mask[rows] > 0, ratio[rows]
+            cov = (a - a[m].mean()) * (lp.detach() - lp.detach()[m].mean())
+            if mode == "kl_cov":           # the top 20% of the rank's response tokens by cov get |log ratio| added
+                top = torch.zeros_like(m)
+                top[m] = cov[m] >= cov[m].topk(int(0.2 * int(m.sum()))).values.min()
+                losses.append(-a * r + top * (lp - old_logp[rows]).abs())
+            else:                          # every token PPO did not clip is cut (its band and count take them all)
+                unclipped, clipped = -a * r, -a * torch.clamp(r, 0.8, 1.2)
+                losses.append(torch.where(clipped > unclipped, clipped, torch.zeros_like(clipped)))
+        return torch.cat(losses)
     if mode == "gspo":
         seq = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         ratio = torch.exp(torch.clamp(logp - logp.detach() + seq.detach()[:, None], max=10))
@@ -493,7 +514,9 @@ def hand_written_policy_loss(mode, logp, old_logp, A, mask):
 
 @pytest.mark.parametrize("result, mode, agg", [("base", "vanilla", "token-mean"),
                                                ("world2_gspo", "gspo", "seq-mean-token-mean"),
-                                               ("world2_gpg", "gpg", "token-mean")])
+                                               ("world2_gpg", "gpg", "token-mean"),
+                                               ("world2_kl_cov", "kl_cov", "token-mean"),
+                                               ("world2_clip_cov", "clip_cov", "token-mean")])
 def test_gradient_matches_a_hand_written_full_batch_loss(oracle_results, fixed_batch, tiny_model_dir, result, mode,
                                                          agg):
     """The trainer's gradient equals autograd of the loss written out here over the whole batch at once: the policy
