@@ -341,3 +341,61 @@ def test_config_path_and_name_flags(paths):
         config_file_path(None, "conf", None)
     with pytest.raises(ConfigError, match="name two files"):
         config_file_path("a.yaml", "conf", "run")
+
+
+# verl v0.5.0's recipe/dapo/config/dapo_trainer.yaml (Apache-2.0, tests/data/verl/LICENSE), which main_dapo loads
+DAPO_RECIPE_YAML = """
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  gen_batch_size: ${data.train_batch_size}
+
+reward_model:
+  reward_manager: dapo
+  overlong_buffer:
+    enable: False # We try to avoid forgetting to set enable
+    len: 0
+    penalty_factor: 0.0
+    log: False
+
+algorithm:
+  filter_groups:
+    _target_: verl.trainer.config.FilterGroupsConfig
+    enable: False # We try to avoid forgetting to set enable
+    metric: null # acc / score / seq_reward / seq_final_reward / ...
+    max_num_gen_batches: 0 # Non-positive values mean no upper limit
+
+trainer:
+  project_name: verl-dapo
+"""
+
+
+def test_dapos_recipe_yaml_and_run_script_keys_load_as_main_dapo_reads_them(paths):
+    """DAPO's run scripts: `main_dapo` (its yaml composed over verl's trainer config) with data.gen_batch_size,
+    algorithm.filter_groups.* and reward_model.overlong_buffer.* set on the command line; gen_batch_size follows
+    train_batch_size through the file's interpolation when not set."""
+    folder = paths["dir"] / "config"
+    folder.mkdir()
+    (folder / "dapo_trainer.yaml").write_text(DAPO_RECIPE_YAML)
+    mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
+            f"data.val_files={paths['val']} algorithm.adv_estimator=grpo data.train_batch_size=8 "
+            f"actor_rollout_ref.rollout.n=2 actor_rollout_ref.actor.ppo_mini_batch_size=4 "
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 trainer.n_gpus_per_node=2")
+    _, printed = print_config_through_a_shell(f"--config-path={folder} --config-name=dapo_trainer {mine}")
+    assert printed["data"]["gen_batch_size"] == 8 and printed["reward_model"]["reward_manager"] == "dapo"
+    assert printed["algorithm"]["filter_groups"]["enable"] is False
+    script = ("data.gen_batch_size=24 algorithm.filter_groups.enable=True algorithm.filter_groups.metric=acc "
+              "algorithm.filter_groups.max_num_gen_batches=10 reward_model.overlong_buffer.enable=True "
+              "reward_model.overlong_buffer.len=128 reward_model.overlong_buffer.penalty_factor=1.0")
+    stdout, printed = print_config_through_a_shell(f"--config-path={folder} --config-name=dapo_trainer {mine} {script}")
+    assert printed["reward_model"]["overlong_buffer"] == {"enable": True, "len": 128, "penalty_factor": 1.0,
+                                                          "log": False}
+    assert "dynamic sampling: batches of 24 prompts (data.gen_batch_size) until 8 prompts' responses differ" in stdout
