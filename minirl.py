@@ -18,6 +18,8 @@ One training step, in verl's order (see `train_step`):
     6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
+With DAPO's dynamic sampling (algorithm.filter_groups) phases 1, 2 and 4 repeat over several batches of prompts until
+enough groups' responses score differently (`sample_varied_groups`); the rest of the step is the same.
 Devices, processes, seeds and paths live in runtime.py, models and their updates in models.py (the loss itself in
 losses.py), generation in rollout.py, rows and who holds them in batch.py, logging and metrics in tracking.py,
 checkpoints in checkpoint.py.
