@@ -1,20 +1,26 @@
-"""The multi-turn agent loop: the model talks, calls tools, reads their answers and talks again; only the tokens it
-wrote are trained (verl's ToolAgentLoop, experimental/agent_loop/tool_agent_loop.py, v0.5.0).
+"""The multi-turn agent loop: the model talks, calls tools or hears from a simulated user, and talks again; only
+the tokens it wrote are trained (verl's ToolAgentLoop, experimental/agent_loop/tool_agent_loop.py, v0.5.0; the
+interactions as verl v0.5.0's SGLang rollout runs them, workers/rollout/sglang_rollout/sglang_rollout.py).
 
 One conversation, start to end (`AgentLoop.converse`):
-    1. create an instance of every tool (create_kwargs from the row's extra_info.tools_kwargs)
+    1. create an instance of every tool (create_kwargs from the row's extra_info.tools_kwargs), and start the
+       row's interaction (extra_info.interaction_kwargs; interactions.py)
     2. generate an assistant turn with what is left of the response budget     -> response_mask 1
     3. stop at the budget (response_length for the whole conversation), max_assistant_turns, max_user_turns,
-       or when the turn holds no <tool_call>
+       or when the turn holds no <tool_call> and the row has no interaction
     4. run its calls (the first max_parallel_calls, concurrently), truncate each answer to
        max_tool_response_length characters, template the tool messages                 -> response_mask 0
-       (stop instead if they would leave no room for another assistant token); tool turns count as user turns
-    5. back to 2; at the end calc_reward and release every tool instance
+       or, without calls, hand the conversation to the interaction: its turn score is kept; it ends the
+       conversation or its reply is templated as a user message                        -> response_mask 0
+       (stop instead if the new turn would leave no room for another assistant token); both count as user turns
+    5. back to 2; at the end calc_reward and release every tool instance, finalize the interaction
 The sequence trained is prompt + exactly the sampled tokens + the template's tokens between turns, so nothing is
 re-tokenised; `tokenization_sanity_check_mode` compares it with a full re-templating of the messages.
 
 Failures are data: a call with malformed JSON, an unknown tool, a tool that raises or runs past its timeout gets
-an "Error: ..." answer, is counted (tool_calls/errors), and the conversation goes on.
+an "Error: ..." answer, is counted (tool_calls/errors), and the conversation goes on. An interaction that raises,
+runs past its timeout or answers malformed ends its conversation there, counted (multi_turn/interaction_errors)
+and warned about once.
 
 Scheduling (rollout.mode):
     sync   turn-synchronous: every live conversation generates its turn in one engine call, then all their tools
@@ -25,12 +31,13 @@ Each turn is sampled with its own seed (run seed, conversation, turn), and the h
 a time, so sync and async give the same tokens; vLLM also seeds per request (same tokens where its batched
 kernels are batch-invariant).
 
-Left out: interactions (user simulators), multimodal tool answers, tool parsers other than hermes.
+Left out: multimodal tool answers, tool-call formats other than hermes (SGLang names it qwen, qwen25).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 
 from batch import gather_tp_groups
+from interactions import interaction_kwargs, interaction_name
 from tools import parse_hermes, truncate_tool_text
 
 MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
@@ -56,6 +64,7 @@ class Conversation:
     prompt_ids: list                     # the templated prompt (with the tool schemas), as the dataset made it
     messages: list                       # the chat so far: prompt messages, then assistant and tool messages
     tools_kwargs: dict
+    interaction_kwargs: dict = field(default_factory=dict)    # the row's; {} when it has no interaction
     index: int = 0
     prompt_messages: int = 0             # how many of `messages` are the prompt's
     response_ids: list = field(default_factory=list)    # everything after the prompt: model and template tokens
@@ -67,6 +76,10 @@ class Conversation:
     tool_errors: int = 0
     instances: dict = field(default_factory=dict)       # tool name -> instance id
     reward_scores: dict = field(default_factory=dict)   # tool name -> calc_reward
+    interaction: object = None                          # the row's interaction, once started
+    interaction_id: str = None
+    user_turn_rewards: list = field(default_factory=list)   # the interaction's turn scores, in order
+    interaction_errors: int = 0
     tokenization_mismatch: bool = False
     done: bool = False
 
@@ -77,11 +90,14 @@ class Conversation:
 
 
 class AgentLoop:
-    """Runs conversations for a batch of rows. `tools`: {name: tool} (tools.load_tools); `multi_turn`:
-    actor_rollout_ref.rollout.multi_turn; `response_length`: the budget of every whole conversation."""
+    """Runs conversations for a batch of rows. `tools`: {name: tool} (tools.load_tools); `interactions`: {name:
+    interaction} (interactions.load_interactions); `multi_turn`: actor_rollout_ref.rollout.multi_turn;
+    `response_length`: the budget of every whole conversation."""
 
-    def __init__(self, tokenizer, tools, multi_turn, response_length, mode="sync", eos_ids=(), chat_template=None):
+    def __init__(self, tokenizer, tools, multi_turn, response_length, mode="sync", eos_ids=(), chat_template=None,
+                 interactions=None):
         self.tokenizer, self.tools, self.response_length, self.mode = tokenizer, tools, response_length, mode
+        self.interactions = interactions or {}
         self.cfg = multi_turn
         self.eos_ids = set(eos_ids) or {tokenizer.eos_token_id}
         self.chat_template = chat_template
@@ -91,6 +107,7 @@ class AgentLoop:
         # what the template writes after an assistant message's content (e.g. '<|im_end|>\n')
         self.closing = self.base_text[self.base_text.rindex(MARK) + len(MARK):]
         self.warned = False
+        self.warned_interaction = False
 
     def render(self, messages, add_generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas, chat_template=self.chat_template,
@@ -105,7 +122,8 @@ class AgentLoop:
         per conversation. generate: a blocking function from a list of Requests to [(tokens, logprobs or None)]
         (see engine_generate). Returns one Conversation per row."""
         infos = batch.get("extra_info") or [None] * len(batch["raw_prompt_ids"])
-        conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info), index=i,
+        conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info),
+                                      interaction_kwargs(info) if self.interactions else {}, index=i,
                                       prompt_messages=len(messages))
                          for i, (ids, messages, info) in enumerate(zip(batch["raw_prompt_ids"], batch["raw_prompt"],
                                                                        infos))]
@@ -113,6 +131,7 @@ class AgentLoop:
 
     async def _run(self, conversations, generate, seed):
         await asyncio.gather(*(self.open_tools(c) for c in conversations))
+        await asyncio.gather(*(self.start_interaction(c) for c in conversations))
         if self.mode == "async":
             scheduler = Scheduler(generate)
             await asyncio.gather(*(self.converse(c, scheduler.generate, seed) for c in conversations))
@@ -123,6 +142,7 @@ class AgentLoop:
                 await asyncio.gather(*(self.take_turn(c, *out) for c, out in zip(live, outputs)))
                 live = [c for c in live if not c.done]
         await asyncio.gather(*(self.close_tools(c) for c in conversations))
+        await asyncio.gather(*(self.finalize_interaction(c) for c in conversations))
         for conversation in conversations:
             self.check_tokenization(conversation)
         return conversations
@@ -140,13 +160,14 @@ class AgentLoop:
 
     # -- one turn -------------------------------------------------------------------------------------------
     async def take_turn(self, conversation, tokens, logprobs):
-        """Append the sampled assistant turn, then either stop or run its tool calls and append their answers."""
+        """Append the sampled assistant turn, then stop, run its tool calls, or hear from the interaction."""
         c, cfg = conversation, self.cfg
         c.response_ids += tokens
         c.mask += [1] * len(tokens)
         c.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         c.assistant_turns += 1
         ended = bool(tokens) and tokens[-1] in self.eos_ids
+        eos = tokens[-1] if ended else None
         content = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
         c.messages.append({"role": "assistant", "content": content})
         if (len(c.mask) >= self.response_length
@@ -155,29 +176,36 @@ class AgentLoop:
             c.done = True
             return
         calls = parse_hermes(content)
-        if not calls:
+        if calls:
+            answers = await asyncio.gather(*(self.call_tool(c, call) for call in calls[:cfg.max_parallel_calls]))
+            self.append_turn(c, [{"role": "tool", "content": truncate_tool_text(
+                answer, cfg.max_tool_response_length, cfg.tool_response_truncate_side)} for answer in answers], eos)
+        elif c.interaction is not None:
+            reply = await self.interact(c)
+            if reply is not None:
+                self.append_turn(c, [{"role": "user", "content": reply}], eos)
+        else:
             c.done = True
-            return
-        answers = await asyncio.gather(*(self.call_tool(c, call) for call in calls[:cfg.max_parallel_calls]))
-        tool_messages = [{"role": "tool", "content": truncate_tool_text(
-            answer, cfg.max_tool_response_length, cfg.tool_response_truncate_side)} for answer in answers]
-        ids = self.tool_turn_ids(tool_messages, tokens[-1] if ended else None)
-        # the conversation must end on a model token (its reward sits there), so leave room for one more
+
+    def append_turn(self, c, messages, eos_token):
+        """Template `messages` (tool answers or the interaction's reply) after the model's turn, masked out; or
+        end the conversation if they would leave no room for another model token (its reward sits on one)."""
+        ids = self.between_turns_ids(messages, eos_token)
         if len(c.mask) + len(ids) >= self.response_length:
             c.done = True
             return
         c.response_ids += ids
         c.mask += [0] * len(ids)
         c.logprobs += [0.0] * len(ids)
-        c.messages += tool_messages
+        c.messages += messages
         c.user_turns += 1
 
-    def tool_turn_ids(self, tool_messages, eos_token):
+    def between_turns_ids(self, messages, eos_token):
         """The template's tokens between the model's last token and its next turn: the rest of the assistant
-        message's closing (what follows the eos the model sampled), the tool messages, the generation prompt.
-        Measured as the difference of two renderings of a stand-in conversation, so any template works as long
-        as appending messages only appends text."""
-        full = self.render(self.base + tool_messages, add_generation_prompt=True)
+        message's closing (what follows the eos the model sampled), the tool (or user) messages, the generation
+        prompt. Measured as the difference of two renderings of a stand-in conversation, so any template works as
+        long as appending messages only appends text."""
+        full = self.render(self.base + messages, add_generation_prompt=True)
         if not full.startswith(self.base_text):
             raise ValueError("the chat template renders a conversation differently once tool messages follow it; "
                              "multi-turn rollouts need a template that only appends (set "
@@ -237,6 +265,58 @@ class AgentLoop:
             except Exception:
                 c.tool_errors += 1
 
+    # -- the interaction (interactions.py) -------------------------------------------------------------------
+    async def start_interaction(self, c):
+        if not c.interaction_kwargs:
+            return
+        name = interaction_name(c.interaction_kwargs)
+        if name not in self.interactions:       # the datasets' rows are checked at load (interactions.check_rows)
+            raise ValueError(f"a row's extra_info.interaction_kwargs names interaction {name!r}; the interaction "
+                             f"yaml has {', '.join(map(repr, self.interactions))}")
+        interaction = self.interactions[name]
+        try:
+            c.interaction_id = await asyncio.wait_for(
+                interaction.start_interaction(uuid.uuid4().hex, **c.interaction_kwargs), interaction.timeout)
+            c.interaction = interaction
+        except Exception as err:          # the conversation runs without it (tool calls still work)
+            self.interaction_failed(c, "start_interaction", err, "runs without it")
+
+    async def interact(self, c):
+        """The interaction's reply to the conversation so far, or None when it ends the conversation (verl
+        v0.5.0's SGLang rollout: the closing reply is not appended, so the conversation ends on the model's turn).
+        Its turn score is kept either way."""
+        try:
+            result = await asyncio.wait_for(c.interaction.generate_response(
+                c.interaction_id, [dict(m) for m in c.messages], **c.interaction_kwargs), c.interaction.timeout)
+            terminate, reply, score = _checked_response(result)
+        except Exception as err:
+            self.interaction_failed(c, "generate_response", err, "ends there")
+            c.done = True
+            return None
+        if score is not None:
+            c.user_turn_rewards.append(score)
+        if terminate:
+            c.done = True
+            return None
+        return reply
+
+    async def finalize_interaction(self, c):
+        if c.interaction is None:
+            return
+        try:
+            await asyncio.wait_for(c.interaction.finalize_interaction(c.interaction_id), c.interaction.timeout)
+        except Exception as err:
+            self.interaction_failed(c, "finalize_interaction", err, "is kept as it is")
+
+    def interaction_failed(self, c, method, err, consequence):
+        c.interaction_errors += 1
+        if not self.warned_interaction:
+            self.warned_interaction = True
+            what = "did not answer in time" if isinstance(err, asyncio.TimeoutError) else f"failed: {err!r}"
+            warnings.warn(f"interaction {interaction_name(c.interaction_kwargs)!r}: {method} {what}; the "
+                          f"conversation {consequence} (counted in multi_turn/interaction_errors; warned once)",
+                          stacklevel=2)
+
     # -- tokenization check ---------------------------------------------------------------------------------
     def check_tokenization(self, c):
         """verl's tokenization_sanity_check_mode: the trained ids against a full re-templating of the messages
@@ -283,6 +363,15 @@ def _kwargs(c, name, method):
     """tools_kwargs[name][<method>_kwargs], without the None entries a parquet struct adds for absent keys."""
     kwargs = (c.tools_kwargs.get(name) or {}).get(f"{method}_kwargs") or {}
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _checked_response(result):
+    """(should_terminate, reply, score) from generate_response's (should_terminate, reply, score, extra)."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 4 and isinstance(result[1], str)
+            and (result[2] is None or isinstance(result[2], (int, float)))):
+        raise TypeError(f"generate_response must return (should_terminate, reply text, turn score, extra dict), "
+                        f"got {result!r:.200}")
+    return bool(result[0]), result[1], None if result[2] is None else float(result[2])
 
 
 class Scheduler:
@@ -347,8 +436,8 @@ def conversations_to_batch(prompts, conversations, response_length, pad_id, extr
     """prompts: the rows' input_ids/attention_mask/position_ids [b, P]. Returns responses [b, R], response_mask
     [b, R] (1 on model tokens only), attention_mask/position_ids/input_ids [b, P+R] (tool tokens attended),
     rollout_log_probs [b, R], and per-row lists: num_turns, tool_calls, tool_errors, tokenization_mismatch,
-    messages, and extra_info with num_turns and rollout_reward_scores added (what verl's reward manager passes
-    to the reward function)."""
+    interaction_errors, messages, and extra_info with num_turns and rollout_reward_scores added (what verl's
+    reward manager passes to the reward function)."""
     b = len(conversations)
     responses = torch.full((b, response_length), pad_id, dtype=torch.long)              # [b, R]
     response_mask = torch.zeros((b, response_length), dtype=torch.long)                 # [b, R]
@@ -371,8 +460,12 @@ def conversations_to_batch(prompts, conversations, response_length, pad_id, extr
         "tool_calls": [c.tool_calls for c in conversations],
         "tool_errors": [c.tool_errors for c in conversations],
         "tokenization_mismatch": [c.tokenization_mismatch for c in conversations],
+        "interaction_errors": [c.interaction_errors for c in conversations],
         "messages": [c.messages for c in conversations],
-        "extra_info": [{**(info or {}), "num_turns": c.num_turns, "rollout_reward_scores": dict(c.reward_scores)}
+        # each tool's calc_reward, and for a row with an interaction its turn scores (verl v0.5.0's SGLang rollout)
+        "extra_info": [{**(info or {}), "num_turns": c.num_turns, "rollout_reward_scores": {
+                            **c.reward_scores, **({"user_turn_rewards": list(c.user_turn_rewards)}
+                                                  if c.interaction_kwargs else {})}}
                        for info, c in zip(extra_info, conversations)],
     }
 
@@ -389,4 +482,5 @@ def multi_turn_metrics(batch):
     return {"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
             "num_turns/mean": float(turns.mean()), "tool_calls/total": float(calls),
             "tool_calls/per_conversation": calls / len(turns), "tool_calls/errors": float(errors),
-            "multi_turn/tokenization_mismatch": float(np.mean(batch["tokenization_mismatch"]))}
+            "multi_turn/tokenization_mismatch": float(np.mean(batch["tokenization_mismatch"])),
+            "multi_turn/interaction_errors": float(sum(batch["interaction_errors"]))}

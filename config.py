@@ -416,10 +416,10 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
 # reaches minirl unexpanded, since the shell expands ~ only at the start of a word.
 LOCAL_PATH_KEYS = ("af_output_dir", "data.tokenizer", "data.train_files", "data.val_files",
                    "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.multi_turn.tool_config_path",
-                   "critic.model.path", "critic.model.tokenizer_path", "reward_model.model.path",
-                   "reward_model.model.input_tokenizer", "custom_reward_function.path", "trainer.rollout_data_dir",
-                   "trainer.validation_data_dir", "trainer.resume_from_path", "trainer.default_local_dir",
-                   "trainer.hdfs_cache_dir")
+                   "actor_rollout_ref.rollout.multi_turn.interaction_config_path", "critic.model.path",
+                   "critic.model.tokenizer_path", "reward_model.model.path", "reward_model.model.input_tokenizer",
+                   "custom_reward_function.path", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+                   "trainer.resume_from_path", "trainer.default_local_dir", "trainer.hdfs_cache_dir")
 
 
 def expand_home(cfg):
@@ -607,9 +607,13 @@ def _check_choices(cfg):
 
 
 def _check_multi_turn(cfg, check_paths=True):
-    """The agent loop's settings, and the tool yaml loaded once (a bad one fails here, before any model loads)."""
+    """The agent loop's settings, and the tool and interaction yamls loaded once (a bad one fails here, before any
+    model loads)."""
     rollout = cfg.actor_rollout_ref.rollout
     if not (rollout.multi_turn.enable or rollout.mode == "async"):
+        if rollout.multi_turn.interaction_config_path:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.interaction_config_path is set but multi-turn "
+                              "rollouts are off: set actor_rollout_ref.rollout.multi_turn.enable=True")
         return
     if not cfg.data.return_raw_chat:
         raise ConfigError("multi-turn rollouts template the chat messages themselves: set data.return_raw_chat=True")
@@ -619,6 +623,9 @@ def _check_multi_turn(cfg, check_paths=True):
     if rollout.multi_turn.tool_config_path and check_paths:
         from tools import load_tools            # tools.py imports this module
         load_tools(rollout.multi_turn.tool_config_path)
+    if rollout.multi_turn.interaction_config_path and check_paths:
+        from interactions import load_interactions      # so does interactions.py
+        load_interactions(rollout.multi_turn.interaction_config_path)
 
 
 OVERLONG_BUFFER_KEYS = {"enable": bool, "len": int, "penalty_factor": (int, float), "log": bool}

@@ -187,7 +187,8 @@ CHOICES = {
     "actor_rollout_ref.actor.optim.warmup_style": ("constant", "cosine"),
     "actor_rollout_ref.rollout.name": ("hf", "vllm"),
     "actor_rollout_ref.rollout.mode": ("sync", "async"),
-    "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+    # SGLang's parser names for the same <tool_call>{json}</tool_call> format (verl's sglang example yamls use qwen)
+    "actor_rollout_ref.rollout.multi_turn.format": ("hermes", "qwen", "qwen25"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("strict", "ignore_strippable", "disable"),
     "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
@@ -203,7 +204,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
     "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": (None, "multi-turn interactions"),
     "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),

@@ -9,6 +9,7 @@ Library use (the trainer in minirl.py does this):
 Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --input path/to/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
     python data.py gsm8k --multiturn --input DIR --out DIR          # verl's gsm8k_multiturn_w_tool.py
+    python data.py gsm8k --interaction --input DIR --out DIR        # verl's gsm8k_multiturn_w_interaction.py
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
     python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
     python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
@@ -44,6 +45,10 @@ GSM8K_MULTITURN_SYSTEM = (
     "step before any tool call. You should use the `calc_gsm8k_reward` tool after step by step solving the "
     "question, before generate final answer at least once and refine your answer if necessary. Put your final "
     "answer in the format of `#### <answer>`.")
+# verl examples/data_preprocess/gsm8k_multiturn_w_interaction.py: a system prompt for a user who grades answers
+GSM8K_INTERACTION_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. You should rethinking "
+    "carefully if user point out your answer is wrong. Put your final answer in the format of `#### <answer>`.")
 GSM8K_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
@@ -393,10 +398,17 @@ def gsm8k_ground_truth(answer):
     return match.group(1).replace(",", "")
 
 
-def gsm8k_row(example, split, index, multiturn=False):
+def gsm8k_row(example, split, index, multiturn=False, interaction=False):
     """One verl-format row from a GSM8K {question, answer} example; multiturn: verl's gsm8k_multiturn_w_tool.py
-    row (system prompt, backtick instruction, the ground truth in tools_kwargs for the calc_gsm8k_reward tool)."""
+    row (system prompt, backtick instruction, the ground truth in tools_kwargs for the calc_gsm8k_reward tool);
+    interaction: verl's gsm8k_multiturn_w_interaction.py row (the ground truth for the gsm8k interaction)."""
     question, answer = example["question"], example["answer"]
+    if interaction:
+        row = gsm8k_row(example, split, index)
+        truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
+        row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}, {"role": "user", "content": asked}]
+        row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": asked, "ground_truth": truth}
+        return row
     if multiturn:
         row = gsm8k_row(example, split, index)
         truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
@@ -429,9 +441,11 @@ def read_split(input_dir, split, name="GSM8K", hub_name="openai/gsm8k"):
     return [row for path in parquets for row in pq.read_table(path).to_pylist()]
 
 
-def preprocess_gsm8k(input_dir, out_dir, multiturn=False):
-    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant); returns
-    {split: path}."""
+def preprocess_gsm8k(input_dir, out_dir, multiturn=False, interaction=False):
+    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant; interaction: the
+    variant for the gsm8k interaction); returns {split: path}."""
+    if multiturn and interaction:
+        raise ValueError("gsm8k: --multiturn and --interaction are two variants of the rows; pick one")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -441,7 +455,7 @@ def preprocess_gsm8k(input_dir, out_dir, multiturn=False):
             if not {"question", "answer"} <= example.keys():
                 raise ValueError(f"GSM8K {split} example {i} in {input_dir} lacks 'question'/'answer': "
                                  f"{sorted(example)}")
-        rows = [gsm8k_row(example, split, i, multiturn) for i, example in enumerate(examples)]
+        rows = [gsm8k_row(example, split, i, multiturn, interaction) for i, example in enumerate(examples)]
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -514,7 +528,7 @@ class Command(NamedTuple):
 
 
 def run_gsm8k(args):
-    preprocess_gsm8k(args.input, args.out, multiturn=args.multiturn)
+    preprocess_gsm8k(args.input, args.out, multiturn=args.multiturn, interaction=args.interaction)
 
 
 def run_geo3k(args):
@@ -554,7 +568,8 @@ COMMANDS = {
     "gsm8k": Command("GSM8K jsonl/parquet -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_gsm8k,
                      (("--input", "folder with train/test .jsonl or .parquet"),),
-                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward"),)),
+                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward"),
+                      ("--interaction", "verl's variant for its gsm8k interaction: system prompt, interaction_kwargs"))),
     "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_geo3k,
                      (("--input", "folder with train/test .jsonl or .parquet"),)),

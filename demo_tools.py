@@ -160,7 +160,7 @@ def _call_ids(tokenizer, loop, code):
     """The model's call (ended by its eos) and the template's tokens of the tool's answer up to the next turn."""
     eos = tokenizer.eos_token_id
     return (tokenizer.encode(CALL, add_special_tokens=False) + [eos],
-            loop.tool_turn_ids([{"role": "tool", "content": f"code {code}"}], eos))
+            loop.between_turns_ids([{"role": "tool", "content": f"code {code}"}], eos))
 
 
 def warmup_examples(tokenizer, tool_map, train_rows, call_rate, rng):

@@ -53,6 +53,7 @@ import agent
 import checkpoint
 import failures
 import flops
+import interactions
 import losses
 import offpolicy
 import ulysses
@@ -130,6 +131,8 @@ class Trainer:
         multi_turn = arr.rollout.multi_turn
         use_agent = multi_turn.enable or arr.rollout.mode == "async"
         self.tools = load_tools(multi_turn.tool_config_path) if use_agent and multi_turn.tool_config_path else {}
+        self.interactions = interactions.load_interactions(multi_turn.interaction_config_path) \
+            if use_agent and multi_turn.interaction_config_path else {}
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
                               image_key=data.image_key, video_key=data.video_key, processor=processor,
@@ -153,6 +156,8 @@ class Trainer:
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
+            if self.interactions:          # every row's interaction_kwargs names one of the yaml's
+                interactions.check_rows(self.interactions, rows, "data file")
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
@@ -172,7 +177,8 @@ class Trainer:
         self.rollout = self.pipeline or build_rollout(cfg, self.tokenizer, self.device)
         self.agent = agent.AgentLoop(self.tokenizer, self.tools, multi_turn, arr.rollout.response_length,
                                      agent.scheduling_mode(arr.rollout.mode, self.rollout.tp_size, self.rank),
-                                     self.rollout.eos_ids, arr.model.custom_chat_template) if use_agent else None
+                                     self.rollout.eos_ids, arr.model.custom_chat_template,
+                                     self.interactions) if use_agent else None
         self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}

@@ -13,7 +13,8 @@ A tool class has verl's async interface (verl/tools/base_tool.py::BaseTool, v0.5
 -> (text, step_reward, metrics)`, `calc_reward(instance_id, **kwargs) -> float`, `release(instance_id, **kwargs)`.
 Per-row kwargs come from extra_info.tools_kwargs[tool_name].{create,execute,calc_reward,release}_kwargs.
 
-Left out: verl's ToolResponse with images/videos ([HEAD]), MCP tools, interactions (interaction_config_path).
+Left out: verl's ToolResponse with images/videos ([HEAD]), MCP tools. Interactions (user simulators) are in
+interactions.py.
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _build_tool(entry, where):
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ConfigError(f"{where}: config.timeout must be a positive number of seconds, got {timeout!r}")
     schema = _check_schema(entry.get("tool_schema"), where)
-    cls = _import_class(entry["class_name"], where)
+    cls = import_class(entry["class_name"], where)
     for method in ("create", "execute", "calc_reward", "release"):
         if not inspect.iscoroutinefunction(getattr(cls, method, None)):
             raise ConfigError(f"{where}: {entry['class_name']} has no async '{method}' method; tools follow "
@@ -166,16 +167,18 @@ def _check_schema(schema, where):
     return schema
 
 
-def _import_class(class_name, where):
-    target = VERL_CLASS_ALIASES.get(class_name, class_name)
+def import_class(class_name, where, aliases=VERL_CLASS_ALIASES, kind="tools", base="tools.BaseTool"):
+    """The class a yaml's class_name names (verl's own class names through `aliases`); a ConfigError naming
+    `where` when it cannot be imported, with a did-you-mean for a typo in the class."""
+    target = aliases.get(class_name, class_name)
     module_name, _, attr = target.rpartition(".")
     if not module_name:
         raise ConfigError(f"{where}: class_name {class_name!r} must be a dotted import path (module.Class)")
     try:
         module = importlib.import_module(module_name)
     except Exception as err:
-        verl_note = (f"; of verl's tools minirl has {', '.join(VERL_CLASS_ALIASES)} (write others as a subclass of "
-                     f"tools.BaseTool)" if class_name.startswith("verl.") else "")
+        verl_note = (f"; of verl's {kind} minirl has {', '.join(aliases)} (write others as a subclass of "
+                     f"{base})" if class_name.startswith("verl.") else "")
         raise ConfigError(f"{where}: cannot import {module_name!r} for class_name {class_name!r}: {err!r} "
                           f"(is the module on PYTHONPATH?){verl_note}") from err
     cls = getattr(module, attr, None)

@@ -58,9 +58,10 @@ class ScriptedEngine:
         return out, None
 
 
-def run_loop(tok, tool_map, script, mode="sync", response_length=2048, seed=0, **mt):
+def run_loop(tok, tool_map, script, mode="sync", response_length=2048, seed=0, interactions=None, extra_info=None,
+             **mt):
     loop = agent.AgentLoop(tok, tool_map, multi_turn(**mt), response_length, mode=mode,
-                           eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE)
+                           eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE, interactions=interactions)
     schemas = [dict(t.get_openai_tool_schema()) for t in tool_map.values()]
     rows = {"raw_prompt_ids": [], "raw_prompt": [], "extra_info": []}
     for question in script:
@@ -69,7 +70,7 @@ def run_loop(tok, tool_map, script, mode="sync", response_length=2048, seed=0, *
                                        add_generation_prompt=True, tokenize=False)
         rows["raw_prompt_ids"].append(tok.encode(text, add_special_tokens=False))
         rows["raw_prompt"].append(messages)
-        rows["extra_info"].append({})
+        rows["extra_info"].append(dict(extra_info or {}))
     engine = ScriptedEngine(tok, script)
     sampling = Sampling(max_tokens=response_length)
     return loop.run(rows, agent.engine_generate(engine, sampling, batched=True), seed), engine
@@ -361,7 +362,9 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls'=0 is out of range"),
     (["actor_rollout_ref.rollout.multi_turn.format=chatml"], "choose one of: hermes"),
     (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "left, right, middle"),
-    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"], "multi-turn interactions"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=False",
+      "actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"],
+     "interaction_config_path is set but multi-turn rollouts are off"),
 ])
 def test_multi_turn_config_errors(overrides, message):
     from config import load_config
@@ -371,3 +374,200 @@ def test_multi_turn_config_errors(overrides, message):
         base = base[:-1]
     with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace(")", "\\)")):
         load_config(None, base + overrides, check_paths=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interactions (a simulated user): verl's gsm8k interaction, turn scores, limits, failures, yaml and row errors
+
+import interactions  # noqa: E402
+import tool_fixtures  # noqa: E402
+
+ASK_AGAIN = "Your response is incorrect! You need to reflect on your answer and try again."
+
+
+def gsm8k_interaction():
+    return {"gsm8k": interactions.Gsm8kInteraction({"name": "gsm8k"})}
+
+
+def test_gsm8k_interaction_token_ids_mask_and_turn_scores_exactly(tok):
+    """'#### 6' (wrong: the interaction asks again, as a user turn masked out) -> '#### 7' (right: the interaction
+    ends the conversation, and its closing reply is not appended, so the conversation ends on the model's turn).
+    The turn scores, 0.0 then 1.0, reach the reward function as rollout_reward_scores["user_turn_rewards"]."""
+    question = "What is 3+4?"
+    gsm8k = gsm8k_interaction()
+    (conv,), _ = run_loop(tok, {}, {question: ["#### 6", "#### 7"]}, interactions=gsm8k,
+                          extra_info={"interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": "7"}})
+    prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    between = f"\n<|im_start|>user\n{ASK_AGAIN}<|im_end|>\n<|im_start|>assistant\n"
+    turn1, turn2, user_turn = ids(tok, "#### 6" + EOS), ids(tok, "#### 7" + EOS), ids(tok, between)
+    assert conv.prompt_ids == ids(tok, prompt)
+    assert conv.response_ids == turn1 + user_turn + turn2
+    assert conv.mask == [1] * len(turn1) + [0] * len(user_turn) + [1] * len(turn2)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+    assert conv.messages[2]["content"] == ASK_AGAIN and conv.messages[-1]["content"] == "#### 7"
+    assert (conv.assistant_turns, conv.user_turns, conv.num_turns) == (2, 1, 4)
+    assert conv.user_turn_rewards == [0.0, 1.0] and conv.interaction_errors == 0 and not conv.tokenization_mismatch
+    assert gsm8k["gsm8k"].instances == {}                                     # finalize_interaction was called
+    prompts = {"input_ids": torch.tensor([conv.prompt_ids]), "attention_mask": torch.ones(1, len(conv.prompt_ids)),
+               "position_ids": torch.arange(len(conv.prompt_ids)).unsqueeze(0)}
+    batch = agent.conversations_to_batch(prompts, [conv], 64, tok.pad_token_id, [{"index": 3}])
+    assert batch["extra_info"] == [{"index": 3, "num_turns": 4,
+                                    "rollout_reward_scores": {"user_turn_rewards": [0.0, 1.0]}}]
+    assert batch["response_mask"][0].tolist() == conv.mask + [0] * (64 - len(conv.mask))
+
+
+def test_interaction_after_tools_sees_the_whole_conversation(tok, fixture_tools):
+    """A turn with a tool call goes to the tool; a turn without one goes to the interaction, which gets every
+    message so far (tool answers included) and the row's interaction_kwargs; 'bye' ends it."""
+    echo = tool_fixtures.EchoInteraction({"name": "echo"})
+    script = {"Q?": [call("add", a=2, b=3), "five", "bye"]}
+    (conv,), _ = run_loop(tok, {"add": fixture_tools["add"]}, script, interactions={"echo": echo},
+                          extra_info={"interaction_kwargs": {"name": "echo", "unused": None}})
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert conv.messages[4] == {"role": "user", "content": "heard five"}
+    assert echo.seen == [conv.messages[:4], conv.messages]          # after "five", then after "bye"
+    assert conv.user_turn_rewards == [4.0, 3.0] and (conv.user_turns, conv.num_turns) == (2, 6)
+    assert conv.reward_scores == {"add": 0.0} and echo.open == set()
+
+
+@pytest.mark.parametrize("limits, assistant_turns", [({"max_user_turns": 2}, 3), ({"max_assistant_turns": 2}, 2)])
+def test_interaction_turns_stop_at_the_turn_limits(tok, limits, assistant_turns):
+    """The interaction keeps answering (never 'bye'): the conversation stops when the next model turn would pass
+    max_user_turns, or at max_assistant_turns; the interaction is not asked after the last turn."""
+    echo = tool_fixtures.EchoInteraction({"name": "echo"})
+    (conv,), _ = run_loop(tok, {}, {"Q?": ["hello"]}, interactions={"echo": echo},
+                          extra_info={"interaction_kwargs": {"name": "echo"}}, **limits)
+    assert conv.assistant_turns == assistant_turns and conv.user_turns == assistant_turns - 1
+    assert conv.user_turn_rewards == [5.0] * (assistant_turns - 1) and len(echo.seen) == assistant_turns - 1
+    assert conv.messages[-1] == {"role": "assistant", "content": "hello"}
+
+
+def test_interaction_reply_that_leaves_no_room_ends_the_conversation(tok):
+    """The budget is the whole conversation's: a reply whose tokens would leave no room for another model token is
+    not appended (the score it came with is kept), so the conversation still ends on a model token."""
+    echo = tool_fixtures.EchoInteraction({"name": "echo"})
+    first = len(ids(tok, "hello" + EOS))
+    (conv,), _ = run_loop(tok, {}, {"Q?": ["hello"]}, interactions={"echo": echo}, response_length=first + 3,
+                          extra_info={"interaction_kwargs": {"name": "echo"}})
+    assert conv.mask == [1] * first and conv.user_turn_rewards == [5.0] and conv.user_turns == 0
+
+
+def test_rows_without_interaction_kwargs_take_no_part_and_name_defaults_to_gsm8k(tok):
+    """Two rows: one without interaction_kwargs (ends after its first turn, as without interactions), one whose
+    interaction_kwargs has no name (verl v0.5.0 gives it 'gsm8k')."""
+    script = {"A?": ["#### 1", "#### 2"], "B?": ["#### 1", "#### 2"]}
+    loop = agent.AgentLoop(tok, {}, multi_turn(), 512, eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE,
+                           interactions=gsm8k_interaction())
+    rows = {"raw_prompt_ids": [], "raw_prompt": [], "extra_info": [{}, {"interaction_kwargs": {"ground_truth": "2"}}]}
+    for question in script:
+        messages = [{"role": "user", "content": question}]
+        rows["raw_prompt"].append(messages)
+        rows["raw_prompt_ids"].append(ids(tok, tok.apply_chat_template(
+            messages, chat_template=TOOL_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)))
+    plain, asked = loop.run(rows, agent.engine_generate(ScriptedEngine(tok, script), Sampling(max_tokens=512),
+                                                        batched=True), seed=0)
+    assert (plain.assistant_turns, plain.user_turn_rewards, plain.interaction) == (1, [], None)
+    assert (asked.assistant_turns, asked.user_turn_rewards) == (2, [0.0, 1.0])
+
+
+@pytest.mark.parametrize("cls, errors, turns", [
+    ("RaisingInteraction", 1, 1), ("SlowInteraction", 1, 1), ("MalformedInteraction", 1, 1),
+    ("FailingStartInteraction", 1, 1)])
+def test_interaction_failures_end_the_conversation_counted_and_warned(tok, cls, errors, turns):
+    """A generate_response that raises, runs past its timeout or answers malformed ends its conversation after the
+    model's turn; a start_interaction that fails leaves the conversation without one. Counted, warned once."""
+    interaction = getattr(tool_fixtures, cls)({"name": "x"})
+    interaction.timeout = 0.2
+    with pytest.warns(UserWarning, match="interaction 'x': .*counted in multi_turn/interaction_errors"):
+        (conv,), _ = run_loop(tok, {}, {"Q?": ["hello"]}, interactions={"x": interaction},
+                              extra_info={"interaction_kwargs": {"name": "x"}})
+    assert (conv.interaction_errors, conv.assistant_turns, conv.user_turn_rewards) == (errors, turns, [])
+    assert agent.multi_turn_metrics(agent.conversations_to_batch(
+        {"input_ids": torch.tensor([conv.prompt_ids]), "attention_mask": torch.ones(1, len(conv.prompt_ids)),
+         "position_ids": torch.arange(len(conv.prompt_ids)).unsqueeze(0)}, [conv], 32, 0, [{}])
+    )["multi_turn/interaction_errors"] == errors
+
+
+def test_rows_naming_an_interaction_the_yaml_lacks_are_refused(tok):
+    rows = [("train.parquet, row 0", {"extra_info": {"interaction_kwargs": {"name": "gsm8k"}}}),
+            ("train.parquet, row 1", {"extra_info": {"interaction_kwargs": {"name": "judge", "ground_truth": "1"}}})]
+    with pytest.raises(ConfigError, match="data file train.parquet, row 1: extra_info.interaction_kwargs names "
+                                          "interaction 'judge', but .*interaction_config_path has only 'gsm8k'"):
+        interactions.check_rows(gsm8k_interaction(), rows, "data file")
+    nameless = [("t, row 5", {"extra_info": {"interaction_kwargs": {"ground_truth": "1"}}})]
+    with pytest.raises(ConfigError, match="without a name, which means 'gsm8k'"):
+        interactions.check_rows({"echo": None}, nameless, "data file")
+    interactions.check_rows(gsm8k_interaction(), rows[:1] + [("t, row 2", {"extra_info": {}})], "data file")
+    with pytest.raises(ValueError, match="names interaction 'judge'; the interaction yaml has 'gsm8k'"):
+        run_loop(tok, {}, {"Q?": ["a"]}, interactions=gsm8k_interaction(),
+                 extra_info={"interaction_kwargs": {"name": "judge"}})
+
+
+# verl's examples/sglang_multiturn/config/interaction_config/gsm8k_interaction_config.yaml (v0.5.0), verbatim
+VERL_GSM8K_INTERACTION_YAML = """\
+interaction:
+  - name: "gsm8k"
+    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+"""
+
+
+def test_verl_gsm8k_interaction_yaml_loads_and_names_default_from_the_class(tmp_path):
+    path = tmp_path / "interaction.yaml"
+    path.write_text(VERL_GSM8K_INTERACTION_YAML)
+    (name, interaction), = interactions.load_interactions(path).items()
+    assert name == "gsm8k" and type(interaction) is interactions.Gsm8kInteraction
+    assert interaction.config == {"name": "gsm8k"} and interaction.timeout == 30.0
+    path.write_text("interaction:\n  - class_name: tool_fixtures.EchoInteraction\n    config: {timeout: 2}\n")
+    (name, interaction), = interactions.load_interactions(path).items()
+    assert name == "echo" and interaction.timeout == 2.0 and interaction.config == {"timeout": 2, "name": "echo"}
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"interaction": []}, "expected a top-level 'interaction:' list"),
+    ({"tools": [{"class_name": "x.Y"}]}, "expected a top-level 'interaction:' list"),
+    ({"interaction": [{"name": "g"}]}, "interaction[0]: needs 'class_name'"),
+    ({"interaction": [{"class_name": "nowhere.Judge"}]}, "cannot import 'nowhere'"),
+    ({"interaction": [{"class_name": "verl.interactions.weather_interaction.WeatherInteraction"}]},
+     "of verl's interactions minirl has verl.interactions.gsm8k_interaction.Gsm8kInteraction"),
+    ({"interaction": [{"class_name": "interactions.Gsm8kInteracton"}]}, "did you mean 'Gsm8kInteraction'?"),
+    ({"interaction": [{"class_name": "tools.BaseTool"}]}, "has no async 'start_interaction'"),
+    ({"interaction": [{"class_name": "interactions.BaseInteraction", "config": [1]}]}, "'config' must be a mapping"),
+    ({"interaction": [{"class_name": "interactions.BaseInteraction", "config": {"timeout": 0}}]}, "config.timeout"),
+    ({"interaction": [{"class_name": "interactions.Gsm8kInteraction"},
+                      {"name": "gsm8k", "class_name": "interactions.BaseInteraction"}]},
+     "interaction[1]: a second interaction named 'gsm8k'"),
+])
+def test_invalid_interaction_yaml_is_a_clear_error(tmp_path, content, message):
+    import yaml
+    path = tmp_path / "interaction.yaml"
+    path.write_text(yaml.safe_dump(content))
+    with pytest.raises(ConfigError) as err:
+        interactions.load_interactions(path)
+    assert message in str(err.value)
+    assert str(err.value).startswith(f"actor_rollout_ref.rollout.multi_turn.interaction_config_path '{path}'")
+    with pytest.raises(ConfigError, match="interaction_config_path '.*missing.yaml' does not exist"):
+        interactions.load_interactions(tmp_path / "missing.yaml")
+
+
+def test_gsm8k_interaction_rows_are_verls(tmp_path):
+    """`data.py gsm8k --interaction`: the row verl's gsm8k_multiturn_w_interaction.py writes, written out here."""
+    import data
+    import pyarrow.parquet as pq
+    (tmp_path / "in").mkdir()
+    example = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"}
+    for split in ("train", "test"):
+        (tmp_path / "in" / f"{split}.jsonl").write_text(json.dumps(example) + "\n")
+    data.main(["gsm8k", "--interaction", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
+    (row,) = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    asked = example["question"] + " Let's think step by step and output the final answer after `####`."
+    assert row == {
+        "data_source": "openai/gsm8k", "ability": "math",
+        "prompt": [{"role": "system", "content": "You are a math expert. You are given a question and you need to "
+                    "solve it step by step. You should rethinking carefully if user point out your answer is wrong. "
+                    "Put your final answer in the format of `#### <answer>`."}, {"role": "user", "content": asked}],
+        "reward_model": {"style": "rule", "ground_truth": "7"},
+        "extra_info": {"split": "train", "index": 0, "answer": example["answer"], "question": example["question"],
+                       "interaction_kwargs": {"name": "gsm8k", "query": asked, "ground_truth": "7"}}}
+    with pytest.raises(ValueError, match="--multiturn and --interaction"):
+        data.preprocess_gsm8k(tmp_path / "in", tmp_path / "both", multiturn=True, interaction=True)

@@ -199,3 +199,37 @@ def test_hf_async_resume_gives_the_uninterrupted_runs_step_2(box_dir, hf_runs, t
     assert rows[1] == {k: v for k, v in straight_rows[1].items() if not k.startswith(wall_clock)}
     assert [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()] == \
         straight_dumps[2]
+
+
+def test_vllm_run_with_an_interaction_and_tools(box_dir, tmp_path):
+    """The tool demo's rows, each with interaction_kwargs naming tool_fixtures.EchoInteraction (it answers every
+    turn without a tool call with 'heard <answer>', its turn score the answer's length), and a reward function
+    that returns how many turn scores it was handed. From the dumped conversations: every user message after the
+    prompt is the interaction's reply to the model's turn before it, and each score counts those replies (one more
+    where a last reply did not fit the budget). The vLLM-vs-actor check runs on every step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
+    for row in rows:
+        row["extra_info"]["interaction_kwargs"] = {"name": "echo"}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (tmp_path / "echo.yaml").write_text("interaction:\n  - class_name: tests.tool_fixtures.EchoInteraction\n")
+    (tmp_path / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(extra_info['rollout_reward_scores']['user_turn_rewards']))\n")
+    rows, dumps = run(box_dir, tmp_path, "vllm", "async", f"data.train_files={tmp_path}/train.parquet",
+                      f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path}/echo.yaml",
+                      f"custom_reward_function.path={tmp_path}/reward.py")
+    assert all(r["multi_turn/interaction_errors"] == 0 and "training/rollout_probs_diff_max" in r for r in rows)
+    replies = 0
+    for lines in dumps.values():
+        for line in lines:
+            messages = line["messages"]
+            feedback = [(before, m) for before, m in zip(messages, messages[1:]) if m["role"] == "user"]
+            assert all(before["role"] == "assistant" and m["content"] == "heard " + before["content"]
+                       for before, m in feedback)
+            assert messages[-1]["role"] == "assistant" and line["score"] - len(feedback) in (0.0, 1.0)
+            replies += len(feedback)
+    assert replies > 0
+    assert [r["critic/score/mean"] for r in rows] == \
+        [pytest.approx(sum(line["score"] for line in dumps[step]) / len(dumps[step])) for step in (1, 2)]

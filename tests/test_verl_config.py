@@ -261,6 +261,48 @@ actor_rollout_ref:
 """
 
 
+# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo_w_interaction.yaml, verbatim (not pinned to v0.5.0)
+VERL_INTERACTION_YAML = VERL_MULTITURN_YAML.replace("      max_assistant_turns: 5\n", """\
+      max_user_turns: 5
+      format: qwen
+      # tool_config_path: "./config/tool_config/gsm8k_tool_config.yaml"
+""")
+
+
+def test_verls_interaction_yaml_and_run_script_keys_load(paths):
+    """verl's run_qwen2.5-3b_gsm8k_multiturn_w_interaction.sh on its w_interaction yaml (SGLang's `format: qwen`,
+    max_user_turns) with verl's gsm8k interaction yaml: the config loads, the interaction yaml is checked; with the
+    interaction class misspelt it is a config error naming the key."""
+    from test_agent import VERL_GSM8K_INTERACTION_YAML
+    folder = paths["dir"] / "interaction_config"
+    folder.mkdir()
+    (folder / "gsm8k_multiturn_grpo_w_interaction.yaml").write_text(VERL_INTERACTION_YAML)
+    (folder / "gsm8k_interaction_config.yaml").write_text(VERL_GSM8K_INTERACTION_YAML)
+    script = (f"algorithm.adv_estimator=grpo data.train_batch_size=512 data.max_prompt_length=1024 "
+              f"data.max_response_length=$((1024 * 3)) data.filter_overlong_prompts=True data.truncation='error' "
+              f"data.return_raw_chat=True actor_rollout_ref.model.path={paths['model']} "
+              f"actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=512 "
+              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.use_kl_loss=True "
+              f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.name=vllm "
+              f"actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.n=8 "
+              f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 trainer.n_gpus_per_node=8 "
+              f"data.train_files={paths['train']} data.val_files={paths['val']} "
+              f"actor_rollout_ref.rollout.multi_turn.interaction_config_path="
+              f"\"{folder}/gsm8k_interaction_config.yaml\"")
+    _, printed = print_config_through_a_shell(
+        f"--config-path=\"{folder}\" --config-name='gsm8k_multiturn_grpo_w_interaction' {script}")
+    multi_turn = printed["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (multi_turn["enable"], multi_turn["format"], multi_turn["max_user_turns"]) == (True, "qwen", 5)
+    assert multi_turn["interaction_config_path"] == f"{folder}/gsm8k_interaction_config.yaml"
+    (folder / "gsm8k_interaction_config.yaml").write_text(VERL_GSM8K_INTERACTION_YAML.replace("Gsm8kInteraction",
+                                                                                              "Gsm8kInteractoin"))
+    bad = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} minirl.py --print-config --config-path="
+                          f"\"{folder}\" --config-name=gsm8k_multiturn_grpo_w_interaction {script}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert bad.returncode == 2 and "config error: actor_rollout_ref.rollout.multi_turn.interaction_config_path" in \
+        bad.stderr and "Gsm8kInteractoin" in bad.stderr, bad.stderr
+
+
 def test_verls_multiturn_yaml_through_config_path_and_name_as_its_run_script_passes_them(paths):
     """verl's run script: `main_ppo --config-path="$CONFIG_PATH" --config-name='gsm8k_multiturn_grpo' ...`. The
     file's values land on verl's defaults; the command line still overrides the file (sglang -> vllm)."""

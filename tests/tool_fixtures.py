@@ -62,3 +62,49 @@ class FlakyBoxTool(BoxTool):
         if code < 5:
             await asyncio.sleep(3600)
         return await super().execute(instance_id, parameters, **kwargs)
+
+
+from interactions import BaseInteraction  # noqa: E402
+
+
+class EchoInteraction(BaseInteraction):
+    """Replies 'heard <answer>' with the answer's length as the turn score; 'bye' ends the conversation. Keeps
+    every conversation it was shown, and which instances are still open."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.seen, self.open = [], set()
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        instance_id = await super().start_interaction(instance_id)
+        self.open.add(instance_id)
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        self.seen.append([dict(m) for m in messages])
+        answer = messages[-1]["content"]
+        return answer == "bye", f"heard {answer}", float(len(answer)), {}
+
+    async def finalize_interaction(self, instance_id=None, **kwargs):
+        self.open.discard(instance_id)
+
+
+class RaisingInteraction(BaseInteraction):
+    async def generate_response(self, instance_id, messages, **kwargs):
+        raise RuntimeError("the user simulator broke")
+
+
+class SlowInteraction(BaseInteraction):
+    async def generate_response(self, instance_id, messages, **kwargs):
+        await asyncio.sleep(30)
+        return False, "too late", 0.0, {}
+
+
+class MalformedInteraction(BaseInteraction):
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, None, 0.0, {}
+
+
+class FailingStartInteraction(BaseInteraction):
+    async def start_interaction(self, instance_id=None, **kwargs):
+        raise RuntimeError("no session")
