@@ -21,13 +21,11 @@ the reward function as extra_info.rollout_reward_scores["user_turn_rewards"].
 """
 from __future__ import annotations
 
-import inspect
 import uuid
-from pathlib import Path
 
-from config import ConfigError, read_config_file
+from config import ConfigError
 from rewards import gsm8k_compute_score
-from tools import DEFAULT_TIMEOUT_S, import_class
+from tools import DEFAULT_TIMEOUT_S, entry_config, import_class, read_entries, require_async_methods
 
 DEFAULT_NAME = "gsm8k"          # the interaction a row's interaction_kwargs without `name` gets (verl v0.5.0)
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
@@ -95,17 +93,9 @@ def load_interactions(path):
     """{name: interaction instance} from a verl interaction yaml. Every problem (missing file, bad yaml, missing
     or unimportable class, a class without the async interface, a duplicate name) is a ConfigError naming the
     file and the entry, raised before any model loads."""
-    where = f"{KEY} '{path}'"
-    if not Path(path).is_file():
-        raise ConfigError(f"{where} does not exist")
-    try:
-        raw = read_config_file(path)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("interaction"), list) or not raw["interaction"]:
-        raise ConfigError(f"{where}: expected a top-level 'interaction:' list of {{name, class_name, config}}")
+    where, entries = read_entries(KEY, path, "interaction", "{name, class_name, config}")
     interactions = {}
-    for i, entry in enumerate(raw["interaction"]):
+    for i, entry in enumerate(entries):
         name, interaction = _build_interaction(entry, f"{where}, interaction[{i}]")
         if name in interactions:
             raise ConfigError(f"{where}, interaction[{i}]: a second interaction named {name!r}; names must be unique")
@@ -114,15 +104,8 @@ def load_interactions(path):
 
 
 def _build_interaction(entry, where):
-    if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-        raise ConfigError(f"{where}: needs 'class_name' (an import path such as interactions.Gsm8kInteraction)")
+    config, timeout = entry_config(entry, where, "interactions.Gsm8kInteraction")
     class_name = entry["class_name"]
-    config = entry.get("config") or {}
-    if not isinstance(config, dict):
-        raise ConfigError(f"{where}: 'config' must be a mapping")
-    timeout = config.get("timeout", DEFAULT_TIMEOUT_S)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ConfigError(f"{where}: config.timeout must be a positive number of seconds, got {timeout!r}")
     name = entry.get("name")
     if name is None:                  # verl's rule: the class name without 'Interaction', lower-cased
         simple = class_name.rpartition(".")[2]
@@ -131,15 +114,13 @@ def _build_interaction(entry, where):
         raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
     cls = import_class(class_name, where, VERL_INTERACTION_ALIASES, kind="interactions",
                        base="interactions.BaseInteraction")
-    for method in ("start_interaction", "generate_response", "finalize_interaction"):
-        if not inspect.iscoroutinefunction(getattr(cls, method, None)):
-            raise ConfigError(f"{where}: {class_name} has no async '{method}' method; interactions follow verl's "
-                              f"interface (subclass interactions.BaseInteraction)")
+    require_async_methods(cls, ("start_interaction", "generate_response", "finalize_interaction"), where,
+                          class_name, "interactions", "interactions.BaseInteraction")
     try:
         interaction = cls(config={**config, "name": name})
     except Exception as err:
         raise ConfigError(f"{where}: {class_name}(config) failed: {err!r}") from err
-    interaction.timeout = float(timeout)
+    interaction.timeout = timeout
     return name, interaction
 
 

@@ -102,17 +102,10 @@ def load_tools(path):
     """{tool name: tool instance} from a verl tool yaml. Every problem (missing file, bad yaml, missing or
     unimportable class, a class without the async interface, a bad schema, a duplicate name) is a ConfigError
     naming the file and the entry, raised before any model loads."""
-    where = f"actor_rollout_ref.rollout.multi_turn.tool_config_path '{path}'"
-    if not Path(path).is_file():
-        raise ConfigError(f"{where} does not exist")
-    try:                            # config.py's reader: bounded, no tags, UTF-8 text; its errors name the file
-        raw = read_config_file(path)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list) or not raw["tools"]:
-        raise ConfigError(f"{where}: expected a top-level 'tools:' list of {{class_name, config, tool_schema}}")
+    where, entries = read_entries("actor_rollout_ref.rollout.multi_turn.tool_config_path", path, "tools",
+                                  "{class_name, config, tool_schema}")
     tools = {}
-    for i, entry in enumerate(raw["tools"]):
+    for i, entry in enumerate(entries):
         tool = _build_tool(entry, f"{where}, tools[{i}]")
         if tool.name in tools:
             raise ConfigError(f"{where}, tools[{i}]: a second tool named {tool.name!r}; tool names must be unique")
@@ -120,27 +113,53 @@ def load_tools(path):
     return tools
 
 
-def _build_tool(entry, where):
+def read_entries(key, path, list_key, entry_shape):
+    """(where, entries): the non-empty top-level `list_key` list of the yaml at `path`, which config `key` names;
+    `where` starts every error about the file."""
+    where = f"{key} '{path}'"
+    if not Path(path).is_file():
+        raise ConfigError(f"{where} does not exist")
+    try:                            # config.py's reader: bounded, no tags, UTF-8 text; its errors name the file
+        raw = read_config_file(path)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get(list_key), list) or not raw[list_key]:
+        raise ConfigError(f"{where}: expected a top-level '{list_key}:' list of {entry_shape}")
+    return where, raw[list_key]
+
+
+def entry_config(entry, where, example_class):
+    """(config, timeout) of one yaml entry, after checking its class_name, config mapping and config.timeout."""
     if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-        raise ConfigError(f"{where}: needs 'class_name' (an import path such as tools.Gsm8kTool)")
+        raise ConfigError(f"{where}: needs 'class_name' (an import path such as {example_class})")
     config = entry.get("config") or {}
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: 'config' must be a mapping")
     timeout = config.get("timeout", DEFAULT_TIMEOUT_S)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ConfigError(f"{where}: config.timeout must be a positive number of seconds, got {timeout!r}")
+    return config, float(timeout)
+
+
+def require_async_methods(cls, methods, where, class_name, kind, base):
+    for method in methods:
+        if not inspect.iscoroutinefunction(getattr(cls, method, None)):
+            raise ConfigError(f"{where}: {class_name} has no async '{method}' method; {kind} follow verl's "
+                              f"interface (subclass {base})")
+
+
+def _build_tool(entry, where):
+    config, timeout = entry_config(entry, where, "tools.Gsm8kTool")
     schema = _check_schema(entry.get("tool_schema"), where)
     cls = import_class(entry["class_name"], where)
-    for method in ("create", "execute", "calc_reward", "release"):
-        if not inspect.iscoroutinefunction(getattr(cls, method, None)):
-            raise ConfigError(f"{where}: {entry['class_name']} has no async '{method}' method; tools follow "
-                              f"verl's interface (subclass tools.BaseTool)")
+    require_async_methods(cls, ("create", "execute", "calc_reward", "release"), where, entry["class_name"],
+                          "tools", "tools.BaseTool")
     try:
         tool = cls(Config.wrap(dict(config)), Config.wrap(schema))
     except Exception as err:
         raise ConfigError(f"{where}: {entry['class_name']}(config, tool_schema) failed: {err!r}") from err
     tool.name = schema["function"]["name"]
-    tool.timeout = float(timeout)
+    tool.timeout = timeout
     return tool
 
 
