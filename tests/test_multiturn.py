@@ -201,12 +201,13 @@ def test_hf_async_resume_gives_the_uninterrupted_runs_step_2(box_dir, hf_runs, t
         straight_dumps[2]
 
 
-def test_vllm_run_with_an_interaction_and_tools(box_dir, tmp_path):
+def test_vllm_run_with_an_interaction_and_tools_and_its_resume(box_dir, tmp_path):
     """The tool demo's rows, each with interaction_kwargs naming tool_fixtures.EchoInteraction (it answers every
     turn without a tool call with 'heard <answer>', its turn score the answer's length), and a reward function
     that returns how many turn scores it was handed. From the dumped conversations: every user message after the
     prompt is the interaction's reply to the model's turn before it, and each score counts those replies (one more
-    where a last reply did not fit the budget). The vLLM-vs-actor check runs on every step."""
+    where a last reply did not fit the budget). The vLLM-vs-actor check runs on every step. A second run resumed
+    from the first's step-1 checkpoint gives step 2's metrics and conversations again."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
@@ -217,9 +218,10 @@ def test_vllm_run_with_an_interaction_and_tools(box_dir, tmp_path):
     (tmp_path / "reward.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return float(len(extra_info['rollout_reward_scores']['user_turn_rewards']))\n")
-    rows, dumps = run(box_dir, tmp_path, "vllm", "async", f"data.train_files={tmp_path}/train.parquet",
-                      f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path}/echo.yaml",
-                      f"custom_reward_function.path={tmp_path}/reward.py")
+    settings = [f"data.train_files={tmp_path}/train.parquet", "trainer.save_freq=1",
+                f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path}/echo.yaml",
+                f"custom_reward_function.path={tmp_path}/reward.py"]
+    rows, dumps = run(box_dir, tmp_path / "straight", "vllm", "async", *settings)
     assert all(r["multi_turn/interaction_errors"] == 0 and "training/rollout_probs_diff_max" in r for r in rows)
     replies = 0
     for lines in dumps.values():
@@ -233,3 +235,13 @@ def test_vllm_run_with_an_interaction_and_tools(box_dir, tmp_path):
     assert replies > 0
     assert [r["critic/score/mean"] for r in rows] == \
         [pytest.approx(sum(line["score"] for line in dumps[step]) / len(dumps[step])) for step in (1, 2)]
+    resumed = tmp_path / "resumed"
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *overrides(box_dir, resumed, "vllm", "async"),
+                   *settings, "trainer.resume_mode=resume_path",
+                   f"trainer.resume_from_path={tmp_path}/straight/checkpoints/global_step_1")
+    assert_resumed(out, 1)
+    wall_clock = ("timing_s/", "timing_per_token_ms/", "perf/")
+    (step2,) = [{k: v for k, v in json.loads(line).items() if not k.startswith(wall_clock)}
+                for line in (resumed / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] == 2]
+    assert step2 == {k: v for k, v in rows[1].items() if not k.startswith(wall_clock)}
+    assert [json.loads(line) for line in (resumed / "rollouts" / "2.jsonl").read_text().splitlines()] == dumps[2]
