@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import numbers
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -368,7 +369,7 @@ def _kwargs(c, name, method):
 def _checked_response(result):
     """(should_terminate, reply, score) from generate_response's (should_terminate, reply, score, extra)."""
     if not (isinstance(result, (tuple, list)) and len(result) == 4 and isinstance(result[1], str)
-            and (result[2] is None or isinstance(result[2], (int, float)))):
+            and (result[2] is None or isinstance(result[2], numbers.Real))):      # numpy's scalars too
         raise TypeError(f"generate_response must return (should_terminate, reply text, turn score, extra dict), "
                         f"got {result!r:.200}")
     return bool(result[0]), result[1], None if result[2] is None else float(result[2])

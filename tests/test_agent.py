@@ -571,3 +571,19 @@ def test_gsm8k_interaction_rows_are_verls(tmp_path):
                        "interaction_kwargs": {"name": "gsm8k", "query": asked, "ground_truth": "7"}}}
     with pytest.raises(ValueError, match="--multiturn and --interaction"):
         data.preprocess_gsm8k(tmp_path / "in", tmp_path / "both", multiturn=True, interaction=True)
+
+
+def test_interaction_turn_scores_may_be_numpy_scalars_or_none(tok):
+    """A turn score computed with numpy is a number like any other; None (verl's agent loop allows it) is not
+    kept."""
+    import numpy as np
+
+    class NumpyScores(interactions.BaseInteraction):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            turn = sum(m["role"] == "assistant" for m in messages)
+            return np.bool_(turn == 3), "again", (np.float32(0.5) if turn == 1 else None), {}
+
+    (conv,), _ = run_loop(tok, {}, {"Q?": ["a"]}, interactions={"n": NumpyScores({"name": "n"})},
+                          extra_info={"interaction_kwargs": {"name": "n"}})
+    assert (conv.assistant_turns, conv.user_turns, conv.interaction_errors) == (3, 2, 0)
+    assert conv.user_turn_rewards == [0.5] and type(conv.user_turn_rewards[0]) is float
