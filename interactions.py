@@ -139,7 +139,14 @@ def check_rows(interactions, rows, key):
     """Every row that asks for an interaction names one of the yaml's; before any model loads. rows: (where, row)
     pairs; key: the data file key, for the message."""
     for where, row in rows:
+        raw = (row.get("extra_info") or {}).get("interaction_kwargs")
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"{key} {where}: extra_info.interaction_kwargs must be a mapping (name, and what the "
+                              f"interaction reads, e.g. ground_truth), got {type(raw).__name__}")
         kwargs = interaction_kwargs(row.get("extra_info"))
+        if not isinstance(interaction_name(kwargs), str):
+            raise ConfigError(f"{key} {where}: extra_info.interaction_kwargs.name must be a string, got "
+                              f"{interaction_name(kwargs)!r}")
         if kwargs and interaction_name(kwargs) not in interactions:
             named = (f"names interaction {interaction_name(kwargs)!r}" if "name" in kwargs else
                      f"has interaction_kwargs without a name, which means {DEFAULT_NAME!r} (verl's default)")

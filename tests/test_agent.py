@@ -498,6 +498,10 @@ def test_rows_naming_an_interaction_the_yaml_lacks_are_refused(tok):
     with pytest.raises(ConfigError, match="without a name, which means 'gsm8k'"):
         interactions.check_rows({"echo": None}, nameless, "data file")
     interactions.check_rows(gsm8k_interaction(), rows[:1] + [("t, row 2", {"extra_info": {}})], "data file")
+    for kwargs, message in (("gsm8k", "must be a mapping .*got str"), ({"name": 3}, "name must be a string, got 3")):
+        with pytest.raises(ConfigError, match=f"data file t, row 7: extra_info.interaction_kwargs.{message}"):
+            interactions.check_rows(gsm8k_interaction(), [("t, row 7", {"extra_info": {"interaction_kwargs": kwargs}})],
+                                    "data file")
     with pytest.raises(ValueError, match="names interaction 'judge'; the interaction yaml has 'gsm8k'"):
         run_loop(tok, {}, {"Q?": ["a"]}, interactions=gsm8k_interaction(),
                  extra_info={"interaction_kwargs": {"name": "judge"}})
