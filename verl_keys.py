@@ -223,6 +223,8 @@ NO_EFFECT = {
     "actor_rollout_ref.rollout.agent.": "the agent loop runs only in async mode",
     "actor_rollout_ref.rollout.trace.": "no rollout tracing",
     "actor_rollout_ref.rollout.multi_turn.completion_callback": "multi-turn uses minirl's own loop",
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template":
+        "the tokens trained are those the model read while generating (earlier turns are never re-templated)",
     "algorithm.pf_ppo.": "used only with algorithm.use_pf_ppo=true",
     "trainer.default_hdfs_dir": "checkpoints are written locally",
     "trainer.del_local_ckpt_after_load": "checkpoints are kept",

@@ -404,6 +404,12 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
         "on the device between phases (no CPU offload)",
         "config key 'critic.model.fsdp_config.optimizer_offload'=True has no effect in minirl: the optimizer state "
         "stays on the device (no CPU offload)"]
+    # a multi-turn switch of verl's SGLang rollout, which re-templates the conversation for training
+    cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template"
+                                                     "=true"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        "config key 'actor_rollout_ref.rollout.multi_turn.use_inference_chat_template'=True has no effect in minirl: "
+        "the tokens trained are those the model read while generating (earlier turns are never re-templated)"]
 
 
 def test_nodes_must_multiply_to_the_world_size(paths):
