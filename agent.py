@@ -5,7 +5,8 @@ interactions as verl v0.5.0's SGLang rollout runs them, workers/rollout/sglang_r
 One conversation, start to end (`AgentLoop.converse`):
     1. create an instance of every tool (create_kwargs from the row's extra_info.tools_kwargs), and start the
        row's interaction (extra_info.interaction_kwargs; interactions.py)
-    2. generate an assistant turn with what is left of the response budget     -> response_mask 1
+    2. generate an assistant turn with what is left of the response budget (and the prompt's images, if it has
+       any: every turn is generated from them)                                          -> response_mask 1
     3. stop at the budget (response_length for the whole conversation), max_assistant_turns, max_user_turns,
        or when the turn holds no <tool_call> and the row has no interaction
     4. run its calls (the first max_parallel_calls, concurrently), truncate each answer to
@@ -54,10 +55,13 @@ MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message whe
 
 @dataclass
 class Request:
-    """One assistant turn to generate: the conversation so far, its token budget, its seed."""
+    """One assistant turn to generate: the conversation so far, its token budget, its seed, and for a prompt with
+    images what the engines need of them (vision.rollout_inputs' entry, its expanded prompt_ids continued with the
+    conversation so far: the hf engine generates from those)."""
     ids: list
     max_tokens: int
     seed: int
+    multi_modal: dict = None
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Conversation:
     messages: list                       # the chat so far: prompt messages, then assistant and tool messages
     tools_kwargs: dict
     interaction_kwargs: dict = field(default_factory=dict)    # the row's; {} when it has no interaction
+    multi_modal: dict = None             # the prompt's images (vision.rollout_inputs' entry); None: text only
     index: int = 0
     prompt_messages: int = 0             # how many of `messages` are the prompt's
     response_ids: list = field(default_factory=list)    # everything after the prompt: model and template tokens
@@ -118,16 +123,19 @@ class AgentLoop:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- running a batch ------------------------------------------------------------------------------------
-    def run(self, batch, generate, seed):
+    def run(self, batch, generate, seed, multi_modal=None):
         """batch: columns raw_prompt_ids, raw_prompt (the messages) and extra_info (for tools_kwargs), one entry
         per conversation. generate: a blocking function from a list of Requests to [(tokens, logprobs or None)]
-        (see engine_generate). Returns one Conversation per row."""
+        (see engine_generate). multi_modal: vision.rollout_inputs of the rows (None without images); every turn
+        is generated with the prompt's images. Returns one Conversation per row."""
         infos = batch.get("extra_info") or [None] * len(batch["raw_prompt_ids"])
+        images = multi_modal or [None] * len(batch["raw_prompt_ids"])
         conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info),
-                                      interaction_kwargs(info) if self.interactions else {}, index=i,
+                                      interaction_kwargs(info) if self.interactions else {},
+                                      entry if entry and entry["images"] else None, index=i,
                                       prompt_messages=len(messages))
-                         for i, (ids, messages, info) in enumerate(zip(batch["raw_prompt_ids"], batch["raw_prompt"],
-                                                                       infos))]
+                         for i, (ids, messages, info, entry) in enumerate(zip(
+                             batch["raw_prompt_ids"], batch["raw_prompt"], infos, images))]
         return asyncio.run(self._run(conversations, generate, seed))
 
     async def _run(self, conversations, generate, seed):
@@ -155,9 +163,10 @@ class AgentLoop:
             await self.take_turn(conversation, tokens, logprobs)
 
     def request(self, conversation, seed):
-        turn_seed = (seed * 1_000_003 + conversation.index * 1009 + conversation.assistant_turns) % 2**31
-        return Request(conversation.prompt_ids + conversation.response_ids,
-                       self.response_length - len(conversation.mask), turn_seed)
+        c = conversation
+        turn_seed = (seed * 1_000_003 + c.index * 1009 + c.assistant_turns) % 2**31
+        images = c.multi_modal and {**c.multi_modal, "prompt_ids": c.multi_modal["prompt_ids"] + c.response_ids}
+        return Request(c.prompt_ids + c.response_ids, self.response_length - len(c.mask), turn_seed, images)
 
     # -- one turn -------------------------------------------------------------------------------------------
     async def take_turn(self, conversation, tokens, logprobs):
@@ -412,14 +421,20 @@ def engine_generate(engine, sampling, batched):
     """A blocking Request-list -> [(tokens, logprobs)] function over a rollout engine (rollout.py).
     batched=False (hf): one request per engine call with its own seed, so its tokens depend on nothing else.
     batched=True (vllm): one call for all, a seed per request, max_tokens the largest budget; each response is
-    then cut to its own budget (a prefix of what was sampled)."""
+    then cut to its own budget (a prefix of what was sampled). Requests with images pass them on."""
+    def images(requests):
+        if not any(r.multi_modal for r in requests):
+            return {}
+        return {"multi_modal": [r.multi_modal or {"images": [], "prompt_ids": r.ids, "inputs": {}} for r in requests]}
+
     def generate(requests):
         if batched:
             wanted = dataclasses.replace(sampling, max_tokens=max(r.max_tokens for r in requests))
-            tokens, logprobs = engine.generate([r.ids for r in requests], wanted, [r.seed for r in requests])
+            tokens, logprobs = engine.generate([r.ids for r in requests], wanted, [r.seed for r in requests],
+                                               **images(requests))
         else:
-            outputs = [engine.generate([r.ids], dataclasses.replace(sampling, max_tokens=r.max_tokens), r.seed)
-                       for r in requests]
+            outputs = [engine.generate([r.ids], dataclasses.replace(sampling, max_tokens=r.max_tokens), r.seed,
+                                       **images([r])) for r in requests]
             tokens = [out[0][0] for out in outputs]
             logprobs = [out[1][0] if out[1] is not None else None for out in outputs]
         if logprobs is None:

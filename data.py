@@ -12,6 +12,7 @@ Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --interaction --input DIR --out DIR        # verl's gsm8k_multiturn_w_interaction.py
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
     python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
+    python data.py geo3k --multiturn --input DIR --out DIR          # verl's geo3k_multiturn_w_tool.py
     python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
     python data.py demo-tools --out demo-tools                      # tiny model + a task that needs its tool
 
@@ -468,6 +469,11 @@ def preprocess_gsm8k(input_dir, out_dir, multiturn=False, interaction=False):
 GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the "
                      r"final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final "
                      r"answer MUST BE put in \boxed{}.")
+# verl examples/data_preprocess/geo3k_multiturn_w_tool.py: a system prompt naming the tool
+GEO3K_MULTITURN_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. Reasoning step by step "
+    "before any tool call. You should use the `calc_geo3k_reward` tool after step by step solving the question, "
+    "before generate final answer at least once and refine your answer if necessary. ")
 
 
 def geo3k_image(value, input_dir):
@@ -484,10 +490,12 @@ def geo3k_image(value, input_dir):
     return {"bytes": (Path(input_dir) / path).read_bytes(), "path": path}
 
 
-def geo3k_row(example, split, index, input_dir):
-    """One verl-format row from a geometry3k {problem (with <image>), answer, images} example."""
+def geo3k_row(example, split, index, input_dir, multiturn=False):
+    """One verl-format row from a geometry3k {problem (with <image>), answer, images} example; multiturn: verl's
+    geo3k_multiturn_w_tool.py row (system prompt, the ground truth in tools_kwargs for the calc_geo3k_reward
+    tool)."""
     problem, answer = example["problem"], example["answer"]
-    return {
+    row = {
         "data_source": "hiyouga/geometry3k",
         "prompt": [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}],
         "images": [geo3k_image(image, input_dir) for image in example["images"]],
@@ -495,10 +503,17 @@ def geo3k_row(example, split, index, input_dir):
         "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"split": split, "index": index, "answer": answer, "question": problem},
     }
+    if multiturn:
+        row["prompt"].insert(0, {"role": "system", "content": GEO3K_MULTITURN_SYSTEM})
+        row["agent_name"] = "tool_agent"
+        row["extra_info"].update(need_tools_kwargs=True,
+                                 tools_kwargs={"calc_geo3k_reward": {"create_kwargs": {"ground_truth": answer}}})
+    return row
 
 
-def preprocess_geo3k(input_dir, out_dir):
-    """Write verl-format train.parquet and test.parquet (images kept); returns {split: path}."""
+def preprocess_geo3k(input_dir, out_dir, multiturn=False):
+    """Write verl-format train.parquet and test.parquet (images kept; multiturn: the tool-calling variant);
+    returns {split: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -509,7 +524,7 @@ def preprocess_geo3k(input_dir, out_dir):
             if not {"problem", "answer", "images"} <= example.keys():
                 raise ValueError(f"geometry3k {split} example {i} in {input_dir} lacks 'problem'/'answer'/'images': "
                                  f"{sorted(example)}")
-            rows.append(geo3k_row(example, split, i, input_dir))
+            rows.append(geo3k_row(example, split, i, input_dir, multiturn))
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
@@ -532,7 +547,7 @@ def run_gsm8k(args):
 
 
 def run_geo3k(args):
-    preprocess_geo3k(args.input, args.out)
+    preprocess_geo3k(args.input, args.out, multiturn=args.multiturn)
 
 
 def build_demo(name, make_assets, out):
@@ -572,7 +587,8 @@ COMMANDS = {
                       ("--interaction", "verl's variant for its gsm8k interaction: system prompt, interaction_kwargs"))),
     "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_geo3k,
-                     (("--input", "folder with train/test .jsonl or .parquet"),)),
+                     (("--input", "folder with train/test .jsonl or .parquet"),),
+                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for the geo3k tool"),)),
     "demo": Command("tiny warmed-up model + addition task parquet", "folder for model/ and data/", run_demo),
     "demo-vl": Command("tiny warmed-up Qwen2.5-VL + colour-of-the-square task parquet (images)",
                        "folder for model/ and data/", run_demo_vl),

@@ -225,7 +225,8 @@ class Trainer:
         """This rank's share of rows as conversations -> the full batch's rollout fields on every rank."""
         vllm = self.cfg.actor_rollout_ref.rollout.name == "vllm"
         engine = agent.engine_generate(self.rollout, sampling, batched=vllm)
-        conversations = self.agent.run(local, engine, seed)
+        multi_modal = vision.rollout_inputs(local, range(batch_size_of(local)))     # None without images
+        conversations = self.agent.run(local, engine, seed, multi_modal)
         self.rollout.sleep()
         rows = agent.conversations_to_batch(local, conversations, sampling.max_tokens, self.tokenizer.pad_token_id,
                                             local["extra_info"])

@@ -117,9 +117,11 @@ def geo3k_format_ok(solution_str):
     return _GEO3K_FORMAT.fullmatch(solution_str) is not None
 
 
-def geo3k_compute_score(solution_str, ground_truth, format_score=0.1):
-    """(1 - format_score)·acc + format_score·fmt, i.e. 0.9·acc + 0.1·fmt."""
-    accuracy = 1.0 if geo3k_grade_answer(geo3k_extract_boxed(solution_str), ground_truth) else 0.0
+def geo3k_compute_score(solution_str, ground_truth, use_boxed=True, format_score=0.1):
+    """(1 - format_score)·acc + format_score·fmt, i.e. 0.9·acc + 0.1·fmt. acc grades the \\boxed{} content, or
+    with use_boxed=False the whole string (verl's Geo3kTool grades the answer it is handed)."""
+    answer = geo3k_extract_boxed(solution_str) if use_boxed else solution_str
+    accuracy = 1.0 if geo3k_grade_answer(answer, ground_truth) else 0.0
     formatted = 1.0 if geo3k_format_ok(solution_str) else 0.0
     return (1.0 - format_score) * accuracy + format_score * formatted
 

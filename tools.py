@@ -1,5 +1,5 @@
 """Tools for multi-turn rollouts: verl's tool interface, its yaml format, the hermes call format and the built-in
-gsm8k tool.
+gsm8k and geo3k tools.
 
 A tool yaml (actor_rollout_ref.rollout.multi_turn.tool_config_path) is verl's:
 
@@ -27,13 +27,14 @@ import uuid
 from pathlib import Path
 
 from config import Config, ConfigError, read_config_file
-from rewards import gsm8k_compute_score
+from rewards import geo3k_compute_score, gsm8k_compute_score
 
 DEFAULT_TIMEOUT_S = 30.0        # per tool call, unless the tool's config sets `timeout`
 TRUNCATE_SIDES = ("left", "right", "middle")
 
 # verl's own class names -> minirl's built-ins, so verl's example yamls work unchanged
-VERL_CLASS_ALIASES = {"verl.tools.gsm8k_tool.Gsm8kTool": "tools.Gsm8kTool"}
+VERL_CLASS_ALIASES = {"verl.tools.gsm8k_tool.Gsm8kTool": "tools.Gsm8kTool",
+                      "verl.tools.geo3k_tool.Geo3kTool": "tools.Geo3kTool"}
 
 
 class BaseTool:
@@ -61,14 +62,21 @@ class BaseTool:
         pass
 
 
-class Gsm8kTool(BaseTool):
-    """verl's verl.tools.gsm8k_tool.Gsm8kTool: the model submits an answer, the tool grades it against the row's
-    ground truth (create_kwargs.ground_truth) with gsm8k's flexible extraction. Step reward 0.0 when the answer
-    improved on the stored reward, else -0.05; calc_reward is the stored answer's score."""
+class AnswerGradingTool(BaseTool):
+    """verl's answer-checking demo tools: the model submits an answer (parameters.answer), the tool grades it
+    against the row's ground truth (create_kwargs.ground_truth). Step reward 0.0 when the grade improved on the
+    stored one, else -0.05; calc_reward is the stored answer's grade. Subclasses say how an answer is kept and
+    graded."""
 
     def __init__(self, config, tool_schema):
         super().__init__(config, tool_schema)
         self.instances = {}
+
+    def kept(self, answer):
+        return answer
+
+    def grade(self, response, ground_truth):
+        raise NotImplementedError
 
     async def create(self, instance_id=None, ground_truth=None, **kwargs):
         instance_id = instance_id or str(uuid.uuid4())
@@ -79,7 +87,7 @@ class Gsm8kTool(BaseTool):
         answer = parameters.get("answer", "")
         answer = answer if isinstance(answer, str) else str(answer)
         state = self.instances[instance_id]
-        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        state["response"] = self.kept(answer)
         reward = await self.calc_reward(instance_id)
         step_reward = 0.0 if reward > state["reward"] else -0.05
         state["reward"] = reward
@@ -87,11 +95,29 @@ class Gsm8kTool(BaseTool):
 
     async def calc_reward(self, instance_id, **kwargs):
         state = self.instances[instance_id]
-        return gsm8k_compute_score(state["response"], state["ground_truth"], method="flexible", format_score=0.0,
-                                   score=1.0)
+        return self.grade(state["response"], state["ground_truth"])
 
     async def release(self, instance_id, **kwargs):
         self.instances.pop(instance_id, None)
+
+
+class Gsm8kTool(AnswerGradingTool):
+    """verl's verl.tools.gsm8k_tool.Gsm8kTool: the answer is graded as '#### <answer>' with gsm8k's flexible
+    extraction (1.0 or 0.0)."""
+
+    def kept(self, answer):
+        return answer if answer.startswith("#### ") else "#### " + answer
+
+    def grade(self, response, ground_truth):
+        return gsm8k_compute_score(response, ground_truth, method="flexible", format_score=0.0, score=1.0)
+
+
+class Geo3kTool(AnswerGradingTool):
+    """verl's verl.tools.geo3k_tool.Geo3kTool: the answer itself (no \\boxed{} needed) is graded with geo3k's
+    scorer without its format part (1.0 or 0.0)."""
+
+    def grade(self, response, ground_truth):
+        return geo3k_compute_score(response, ground_truth, use_boxed=False, format_score=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ dp_actor.py `_forward_micro_batch`, vllm_rollout_spmd.py):
      expanded (what prompt-length checks count), pixel_values [patches, C*T*p*p] and image_grid_thw [images, 3],
      kept per row as `multi_modal_inputs`. `raw_prompt_ids` (the rollout input) keep one image token per image.
   3. rollout: hf generates from the expanded ids plus the pixel inputs; vLLM gets the raw ids plus the PIL images
-     and runs the same processor itself.
+     and runs the same processor itself. Multi-turn (agent.py): every turn's request carries the prompt's images.
   4. training forward (forward.token_logprobs): a micro-batch's multi_modal_inputs are concatenated in row order,
      and Qwen2-VL's 3-row rope positions (temporal, height, width) come from the model's own `get_rope_index`;
      the packed path prepends the 1-D text positions as a fourth row, which transformers reads as the sequence

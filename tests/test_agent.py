@@ -591,3 +591,54 @@ def test_interaction_turn_scores_may_be_numpy_scalars_or_none(tok):
                           extra_info={"interaction_kwargs": {"name": "n"}})
     assert (conv.assistant_turns, conv.user_turns, conv.interaction_errors) == (3, 2, 0)
     assert conv.user_turn_rewards == [0.5] and type(conv.user_turn_rewards[0]) is float
+
+
+class ImageRecordingEngine(ScriptedEngine):
+    """ScriptedEngine that keeps each call's multi_modal argument (None when not passed)."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.images = []
+
+    def generate(self, prompt_ids, sampling, seed, multi_modal=None):
+        self.images.append(multi_modal)
+        return super().generate(prompt_ids, sampling, seed)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_every_turn_of_a_prompt_with_images_is_generated_with_them(tok, batched):
+    """Two rows, one with an image: each of its turns reaches the engine with the image, and with the expanded
+    prompt ids continued by the conversation so far (what the hf engine generates from); the text row's turns
+    carry none (batched: a stand-in entry without images; one request per call: no argument at all)."""
+    echo = tool_fixtures.EchoInteraction({"name": "echo"})
+    script = {"A?": ["one", "bye"], "B?": ["two", "bye"]}
+    loop = agent.AgentLoop(tok, {}, multi_turn(), 512, eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE,
+                           interactions={"echo": echo})
+    rows = {"raw_prompt_ids": [], "raw_prompt": [], "extra_info": [{"interaction_kwargs": {"name": "echo"}}] * 2}
+    for question in script:
+        messages = [{"role": "user", "content": question}]
+        rows["raw_prompt"].append(messages)
+        rows["raw_prompt_ids"].append(ids(tok, tok.apply_chat_template(
+            messages, chat_template=TOOL_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)))
+    picture, expanded = object(), [7, 7, 7] + rows["raw_prompt_ids"][0]     # stand-ins: a PIL image, its tokens
+    multi_modal = [{"images": [picture], "prompt_ids": expanded, "inputs": {"pixel_values": "px"}},
+                   {"images": [], "prompt_ids": rows["raw_prompt_ids"][1], "inputs": {}}]
+    engine = ImageRecordingEngine(tok, script)
+    with_image, text = loop.run(rows, agent.engine_generate(engine, Sampling(max_tokens=512), batched=batched), seed=0,
+                                multi_modal=multi_modal)
+    assert with_image.assistant_turns == text.assistant_turns == 2
+    first_turn = ids(tok, "one" + EOS)
+    between = ids(tok, "\n<|im_start|>user\nheard one<|im_end|>\n<|im_start|>assistant\n")
+    if batched:
+        assert len(engine.images) == 2 and all(len(call) == 2 for call in engine.images)
+        image_entries = [call[0] for call in engine.images]
+        assert all(call[1] == {"images": [], "prompt_ids": call[1]["prompt_ids"], "inputs": {}}
+                   for call in engine.images)
+    else:
+        assert len(engine.images) == 4
+        image_entries = [call[0] for call in engine.images if call is not None]
+        assert sum(call is None for call in engine.images) == 2
+    assert [e["images"] for e in image_entries] == [[picture], [picture]]
+    assert all(e["inputs"] == {"pixel_values": "px"} for e in image_entries)
+    assert [e["prompt_ids"] for e in image_entries] == [expanded, expanded + first_turn + between]
+    assert with_image.response_ids == first_turn + between + ids(tok, "bye" + EOS)

@@ -265,6 +265,70 @@ def test_geo3k_rows_are_verls_and_load_with_their_images(processor, tmp_path):
     assert item["data_source"] == "hiyouga/geometry3k"
 
 
+# verl's examples/sglang_multiturn/config/tool_config/geo3k_tool_config.yaml, verbatim
+VERL_GEO3K_TOOL_YAML = """\
+tools:
+  - class_name: "verl.tools.geo3k_tool.Geo3kTool"
+    config: {}
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_geo3k_reward"
+        description: "A tool for calculating the reward of geo3k. (1.0 if parsed answer is correct, 0.0 if parsed \
+answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the geo3k problem, must be a digits"
+          required: ["answer"]"""
+
+
+def test_geo3k_multiturn_rows_are_verls_and_its_tool_grades_the_answer(tmp_path):
+    """`data.py geo3k --multiturn`: verl's geo3k_multiturn_w_tool.py row, written out here; verl's geo3k tool yaml
+    loads unchanged, and the tool grades the bare answer (geo3k's scorer, no \\boxed{} needed, no format part)
+    with verl's step rewards: 0.0 when the grade improves, -0.05 otherwise."""
+    import asyncio
+
+    import tools
+    from data import preprocess_geo3k
+    source = tmp_path / "geometry3k"
+    source.mkdir()
+    problem = "<image>Find x. Round to the nearest tenth."
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist([{"images": [{"bytes": png("red"), "path": "a.png"}], "problem": problem,
+                                              "answer": "5.8"}]), source / f"{split}.parquet")
+    train = pq.read_table(preprocess_geo3k(source, tmp_path / "out", multiturn=True)["train"]).to_pylist()[0]
+    instruction = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                   "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                   "MUST BE put in \\boxed{}.")
+    system = ("You are a math expert. You are given a question and you need to solve it step by step. Reasoning step "
+              "by step before any tool call. You should use the `calc_geo3k_reward` tool after step by step solving "
+              "the question, before generate final answer at least once and refine your answer if necessary. ")
+    assert train == {"data_source": "hiyouga/geometry3k", "agent_name": "tool_agent",
+                     "prompt": [{"role": "system", "content": system},
+                                {"role": "user", "content": problem + " " + instruction}],
+                     "images": [{"bytes": png("red"), "path": "a.png"}], "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": "5.8"},
+                     "extra_info": {"split": "train", "index": 0, "answer": "5.8", "question": problem,
+                                    "need_tools_kwargs": True,
+                                    "tools_kwargs": {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "5.8"}}}}}
+    (tmp_path / "geo3k_tool_config.yaml").write_text(VERL_GEO3K_TOOL_YAML)
+    (name, tool), = tools.load_tools(tmp_path / "geo3k_tool_config.yaml").items()
+    assert name == "calc_geo3k_reward" and type(tool) is tools.Geo3kTool
+
+    async def session():
+        instance = await tool.create(ground_truth="5.8")
+        answers = [await tool.execute(instance, {"answer": answer}) for answer in ("6", "5.8", "5.9", 5.8)]
+        return answers, await tool.calc_reward(instance)
+    answers, final = asyncio.run(session())
+    assert [(text, step) for text, step, _ in answers] == [
+        ("Current parsed answer='6' reward=0.0", -0.05), ("Current parsed answer='5.8' reward=1.0", 0.0),
+        ("Current parsed answer='5.9' reward=0.0", -0.05), ("Current parsed answer='5.8' reward=1.0", 0.0)]
+    assert final == 1.0
+
+
 def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, tmp_path):
     """geo3k_vl.yaml holds the seed's example values (Qwen2.5-VL-32B on geometry3k); its paths point at this host."""
     import subprocess
