@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import numbers
-import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -140,7 +139,7 @@ class AgentLoop:
 
     async def _run(self, conversations, generate, seed):
         await asyncio.gather(*(self.open_tools(c) for c in conversations))
-        await asyncio.gather(*(self.start_interaction(c) for c in conversations))
+        await asyncio.gather(*(self.start_interaction(c, seed) for c in conversations))
         if self.mode == "async":
             scheduler = Scheduler(generate)
             await asyncio.gather(*(self.converse(c, scheduler.generate, seed) for c in conversations))
@@ -276,7 +275,9 @@ class AgentLoop:
                 c.tool_errors += 1
 
     # -- the interaction (interactions.py) -------------------------------------------------------------------
-    async def start_interaction(self, c):
+    async def start_interaction(self, c, seed):
+        """Start the row's interaction under an id made of the call's seed and the row (the same on a rerun, so a
+        seeded run stays reproducible whatever the interaction does with it; verl uses a random one)."""
         if not c.interaction_kwargs:
             return
         name = interaction_name(c.interaction_kwargs)
@@ -286,7 +287,7 @@ class AgentLoop:
         interaction = self.interactions[name]
         try:
             c.interaction_id = await asyncio.wait_for(
-                interaction.start_interaction(uuid.uuid4().hex, **c.interaction_kwargs), interaction.timeout)
+                interaction.start_interaction(f"{seed}-{c.index}", **c.interaction_kwargs), interaction.timeout)
             c.interaction = interaction
         except Exception as err:          # the conversation runs without it (tool calls still work)
             self.interaction_failed(c, "start_interaction", err, "runs without it")

@@ -430,6 +430,18 @@ def test_interaction_after_tools_sees_the_whole_conversation(tok, fixture_tools)
     assert conv.reward_scores == {"add": 0.0} and echo.open == set()
 
 
+def test_interaction_instance_ids_are_the_same_on_a_rerun(tok):
+    """The id each conversation's interaction starts under comes from the call's seed and the row: a seeded rerun
+    hands the interaction the same ids (an interaction may seed itself from it); rows and seeds differ."""
+    def started(seed):
+        echo = tool_fixtures.EchoInteraction({"name": "echo"})
+        run_loop(tok, {}, {"A?": ["bye"], "B?": ["bye"]}, interactions={"echo": echo}, seed=seed,
+                 extra_info={"interaction_kwargs": {"name": "echo"}})
+        return echo.started
+    first = started(seed=3)
+    assert first == started(seed=3) and len(set(first)) == 2 and not set(first) & set(started(seed=4))
+
+
 @pytest.mark.parametrize("limits, assistant_turns", [({"max_user_turns": 2}, 3), ({"max_assistant_turns": 2}, 2)])
 def test_interaction_turns_stop_at_the_turn_limits(tok, limits, assistant_turns):
     """The interaction keeps answering (never 'bye'): the conversation stops when the next model turn would pass

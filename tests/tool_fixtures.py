@@ -73,11 +73,12 @@ class EchoInteraction(BaseInteraction):
 
     def __init__(self, config):
         super().__init__(config)
-        self.seen, self.open = [], set()
+        self.seen, self.open, self.started = [], set(), []
 
     async def start_interaction(self, instance_id=None, **kwargs):
         instance_id = await super().start_interaction(instance_id)
         self.open.add(instance_id)
+        self.started.append(instance_id)
         return instance_id
 
     async def generate_response(self, instance_id, messages, **kwargs):
