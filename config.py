@@ -569,6 +569,11 @@ def settings_without_effect(cfg):
         reason, value = _no_effect_reason(dotted), get_dotted(cfg, dotted)
         if reason and value != get_dotted(defaults, dotted) and value != get_dotted(VERL_DEFAULTS, dotted, None):
             found.append(f"config key '{dotted}'={_show(value)} has no effect in minirl: {reason}")
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    for key in ("tool_config_path", "interaction_config_path"):      # read by the agent loop only (verl's too)
+        if multi_turn[key] and not multi_turn_on(cfg):
+            found.append(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' is set but multi-turn rollouts "
+                         f"are off, so it is not used: set actor_rollout_ref.rollout.multi_turn.enable=True")
     return found
 
 
@@ -606,14 +611,16 @@ def _check_choices(cfg):
     cfg.trainer.logger = list(loggers)
 
 
+def multi_turn_on(cfg):
+    rollout = cfg.actor_rollout_ref.rollout
+    return rollout.multi_turn.enable or rollout.mode == "async"
+
+
 def _check_multi_turn(cfg, check_paths=True):
     """The agent loop's settings, and the tool and interaction yamls loaded once (a bad one fails here, before any
     model loads)."""
     rollout = cfg.actor_rollout_ref.rollout
-    if not (rollout.multi_turn.enable or rollout.mode == "async"):
-        if rollout.multi_turn.interaction_config_path:
-            raise ConfigError("actor_rollout_ref.rollout.multi_turn.interaction_config_path is set but multi-turn "
-                              "rollouts are off: set actor_rollout_ref.rollout.multi_turn.enable=True")
+    if not multi_turn_on(cfg):
         return
     if not cfg.data.return_raw_chat:
         raise ConfigError("multi-turn rollouts template the chat messages themselves: set data.return_raw_chat=True")

@@ -61,8 +61,8 @@ import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, concat, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take, uid_groups)
 from batch_plan import batch_plan, format_plan, generation_batch_size, total_training_steps
-from config import (ConfigError, config_file_path, dapo_reward_arguments, load_config, planning_world_size,
-                    settings_without_effect)
+from config import (ConfigError, config_file_path, dapo_reward_arguments, load_config, multi_turn_on,
+                    planning_world_size, settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel
 from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_in_processes,
@@ -129,7 +129,7 @@ class Trainer:
         # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
         self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
         multi_turn = arr.rollout.multi_turn
-        use_agent = multi_turn.enable or arr.rollout.mode == "async"
+        use_agent = multi_turn_on(cfg)
         self.tools = load_tools(multi_turn.tool_config_path) if use_agent and multi_turn.tool_config_path else {}
         self.interactions = interactions.load_interactions(multi_turn.interaction_config_path) \
             if use_agent and multi_turn.interaction_config_path else {}

@@ -362,9 +362,6 @@ def test_tool_tokens_get_no_gradient(tok, fixture_tools, tiny_model_dir):
     (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls'=0 is out of range"),
     (["actor_rollout_ref.rollout.multi_turn.format=chatml"], "choose one of: hermes"),
     (["actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"], "left, right, middle"),
-    (["actor_rollout_ref.rollout.multi_turn.enable=False",
-      "actor_rollout_ref.rollout.multi_turn.interaction_config_path=x.yaml"],
-     "interaction_config_path is set but multi-turn rollouts are off"),
 ])
 def test_multi_turn_config_errors(overrides, message):
     from config import load_config

@@ -404,6 +404,11 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
         "on the device between phases (no CPU offload)",
         "config key 'critic.model.fsdp_config.optimizer_offload'=True has no effect in minirl: the optimizer state "
         "stays on the device (no CPU offload)"]
+    # the agent loop's yamls while multi-turn rollouts are off: not read (verl does not read them either)
+    yamls = [f"actor_rollout_ref.rollout.multi_turn.{key}_config_path=x.yaml" for key in ("tool", "interaction")]
+    assert settings_without_effect(load_config(write(paths, minimal(paths)), yamls, world_size=2)) == [
+        f"config key 'actor_rollout_ref.rollout.multi_turn.{key}_config_path' is set but multi-turn rollouts are off, "
+        f"so it is not used: set actor_rollout_ref.rollout.multi_turn.enable=True" for key in ("tool", "interaction")]
     # a multi-turn switch of verl's SGLang rollout, which re-templates the conversation for training
     cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template"
                                                      "=true"], world_size=2)

@@ -68,7 +68,9 @@ def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, mo
         pq.write_table(pa.table({"data_source": ["x"] * 16}), tmp_path / name)
     homed = {"af_output_dir": "~/out", "data.tokenizer": "~/model", "data.train_files": ["~/train.parquet"],
              "data.val_files": "~/test.parquet", "actor_rollout_ref.model.path": "~/model",
-             "actor_rollout_ref.rollout.multi_turn.tool_config_path": "~/tools.yaml", "critic.model.path": "~/model",
+             "actor_rollout_ref.rollout.multi_turn.tool_config_path": "~/tools.yaml",
+             "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "~/interactions.yaml",
+             "critic.model.path": "~/model",
              "critic.model.tokenizer_path": "~/model", "reward_model.model.path": "~/model",
              "reward_model.model.input_tokenizer": "~/model", "custom_reward_function.path": "~/reward.py",
              "trainer.rollout_data_dir": "~/dumps", "trainer.validation_data_dir": "~/val_dumps",
