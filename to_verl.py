@@ -12,7 +12,7 @@ import shlex
 
 import yaml
 
-from config import RECIPE_BUFFER, ConfigError, dapo_reward_arguments, default_tree, float_or_same
+from config import RECIPE_BUFFER, ConfigError, dapo_reward_arguments, default_tree, float_or_same, multi_turn_on
 from config_keys import ALL_KEYS, MINIRL_ONLY, get_dotted
 from verl_keys import DAPO_RECIPE, VERL_DEFAULTS, VERL_UNDECLARED
 
@@ -94,5 +94,10 @@ def to_verl(cfg, world_size=None):
         args.append(f"+reward_model.reward_kwargs={_hydra_value(cfg.reward_model.reward_kwargs)}")
     lines = [f"python3 -m {'recipe.dapo.main_dapo' if dapo else 'verl.trainer.main_ppo'}"]
     lines += [shlex.quote(arg) for arg in args]
-    return (" \\\n    ".join(lines) + "\n# minirl-only settings (not verl keys, or values verl does not take), "
-            "left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")
+    notes = ""
+    if cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path and multi_turn_on(cfg):
+        notes = ("\n# verl v0.5.0 runs interactions in its SGLang rollout only "
+                 "(actor_rollout_ref.rollout.name=sglang); from verl PR 2896 (after v0.5.0) its agent loop runs "
+                 "them with vLLM too")
+    return (" \\\n    ".join(lines) + notes + "\n# minirl-only settings (not verl keys, or values verl does not "
+            "take), left out: " + (" ".join(shlex.quote(item) for item in left_out) or "none") + "\n")

@@ -571,3 +571,23 @@ def test_to_verl_writes_a_run_with_dynamic_sampling_for_dapos_recipe(paths):
     verl_args, _ = _parse_verl_line(out.stdout)
     assert ("+reward_model.reward_kwargs={max_resp_len: 512, overlong_buffer_cfg: {enable: true, len: 128, "
             "penalty_factor: 1.0, log: false}}") in verl_args and not any("overlong_buffer." in a for a in verl_args)
+
+
+def test_to_verl_says_where_verl_runs_interactions(paths):
+    """An interaction run's line loads back to the same config, with a note that verl v0.5.0 runs interactions in its
+    SGLang rollout only (minirl's rollout.name is kept: minirl has no SGLang engine to load the line back with)."""
+    (paths["dir"] / "interaction.yaml").write_text(
+        "interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n")
+    path = write(paths, minimal(paths))
+    multi_turn = ["actor_rollout_ref.rollout.multi_turn.enable=true", "data.return_raw_chat=true",
+                  f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={paths['dir']}/interaction.yaml"]
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl", *multi_turn],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "\n# verl v0.5.0 runs interactions in its SGLang rollout only (actor_rollout_ref.rollout.name=sglang)" \
+        in out.stdout
+    verl_args, minirl_only = _parse_verl_line(out.stdout)
+    assert load_config(None, verl_args + minirl_only, world_size=2) == load_config(path, multi_turn, world_size=2)
+    plain = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(path), "--to-verl"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert "SGLang" not in plain.stdout
