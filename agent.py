@@ -164,6 +164,7 @@ class AgentLoop:
     def request(self, conversation, seed):
         c = conversation
         turn_seed = (seed * 1_000_003 + c.index * 1009 + c.assistant_turns) % 2**31
+        # the hf engine generates from the expanded prompt ids (an image's tokens spelled out) plus what followed
         images = c.multi_modal and {**c.multi_modal, "prompt_ids": c.multi_modal["prompt_ids"] + c.response_ids}
         return Request(c.prompt_ids + c.response_ids, self.response_length - len(c.mask), turn_seed, images)
 

@@ -574,6 +574,12 @@ def settings_without_effect(cfg):
         if multi_turn[key] and not multi_turn_on(cfg):
             found.append(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' is set but multi-turn rollouts "
                          f"are off, so it is not used: set actor_rollout_ref.rollout.multi_turn.enable=True")
+    filter_groups = cfg.algorithm.filter_groups
+    for key in ("metric", "max_num_gen_batches"):                    # read by dynamic sampling only (verl's too)
+        dotted = f"algorithm.filter_groups.{key}"
+        if not filter_groups.enable and filter_groups[key] != get_dotted(defaults, dotted):
+            found.append(f"config key '{dotted}'={_show(filter_groups[key])} is set but dynamic sampling is off, so "
+                         f"it is not used: set algorithm.filter_groups.enable=true")
     return found
 
 

@@ -409,6 +409,12 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert settings_without_effect(load_config(write(paths, minimal(paths)), yamls, world_size=2)) == [
         f"config key 'actor_rollout_ref.rollout.multi_turn.{key}_config_path' is set but multi-turn rollouts are off, "
         f"so it is not used: set actor_rollout_ref.rollout.multi_turn.enable=True" for key in ("tool", "interaction")]
+    # dynamic sampling's settings while it is off (found: they were silently ignored, as verl ignores them)
+    cfg = load_config(write(paths, minimal(paths)), ["algorithm.filter_groups.metric=acc",
+                                                     "algorithm.filter_groups.max_num_gen_batches=10"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        f"config key 'algorithm.filter_groups.{key}'={value} is set but dynamic sampling is off, so it is not used: "
+        f"set algorithm.filter_groups.enable=true" for key, value in (("metric", "'acc'"), ("max_num_gen_batches", 10))]
     # a multi-turn switch of verl's SGLang rollout, which re-templates the conversation for training
     cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template"
                                                      "=true"], world_size=2)
