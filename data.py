@@ -404,19 +404,17 @@ def gsm8k_row(example, split, index, multiturn=False, interaction=False):
     row (system prompt, backtick instruction, the ground truth in tools_kwargs for the calc_gsm8k_reward tool);
     interaction: verl's gsm8k_multiturn_w_interaction.py row (the ground truth for the gsm8k interaction)."""
     question, answer = example["question"], example["answer"]
-    if interaction:
+    if multiturn or interaction:
         row = gsm8k_row(example, split, index)
         truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
-        row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}, {"role": "user", "content": asked}]
-        row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": asked, "ground_truth": truth}
-        return row
-    if multiturn:
-        row = gsm8k_row(example, split, index)
-        truth, asked = row["reward_model"]["ground_truth"], question + " " + GSM8K_MULTITURN_INSTRUCTION
-        row["prompt"] = [{"role": "system", "content": GSM8K_MULTITURN_SYSTEM}, {"role": "user", "content": asked}]
-        row["extra_info"].update(need_tools_kwargs=True,
-                                 tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
-                                 interaction_kwargs={"query": asked, "ground_truth": truth})
+        system = GSM8K_INTERACTION_SYSTEM if interaction else GSM8K_MULTITURN_SYSTEM
+        row["prompt"] = [{"role": "system", "content": system}, {"role": "user", "content": asked}]
+        if interaction:
+            row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": asked, "ground_truth": truth}
+        else:          # verl's tool rows carry interaction_kwargs too, without a name
+            row["extra_info"].update(need_tools_kwargs=True,
+                                     tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                                     interaction_kwargs={"query": asked, "ground_truth": truth})
         return row
     return {
         "data_source": "openai/gsm8k",
@@ -584,7 +582,8 @@ COMMANDS = {
                      "folder for train.parquet and test.parquet", run_gsm8k,
                      (("--input", "folder with train/test .jsonl or .parquet"),),
                      (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward"),
-                      ("--interaction", "verl's variant for its gsm8k interaction: system prompt, interaction_kwargs"))),
+                      ("--interaction", "verl's variant for its gsm8k interaction: system prompt, "
+                                        "interaction_kwargs"))),
     "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_geo3k,
                      (("--input", "folder with train/test .jsonl or .parquet"),),
@@ -613,8 +612,9 @@ def main(argv=None):
         subparser = subparsers.add_parser(name, help=command.help)
         for flag, option_help in command.options:
             subparser.add_argument(flag, *VERL_FLAGS.get(flag, ()), required=True, type=folder, help=option_help)
+        variants = subparser.add_mutually_exclusive_group()    # a command's switches pick one variant of its rows
         for flag, flag_help in command.flags:
-            subparser.add_argument(flag, action="store_true", help=flag_help)
+            variants.add_argument(flag, action="store_true", help=flag_help)
         subparser.add_argument("--out", *VERL_FLAGS["--out"], required=True, type=folder, help=command.out)
     args = parser.parse_args(argv)
     COMMANDS[args.command].run(args)
