@@ -479,10 +479,9 @@ def test_rows_without_interaction_kwargs_take_no_part_and_name_defaults_to_gsm8k
     assert (asked.assistant_turns, asked.user_turn_rewards) == (2, [0.0, 1.0])
 
 
-@pytest.mark.parametrize("cls, errors, turns", [
-    ("RaisingInteraction", 1, 1), ("SlowInteraction", 1, 1), ("MalformedInteraction", 1, 1),
-    ("FailingStartInteraction", 1, 1)])
-def test_interaction_failures_end_the_conversation_counted_and_warned(tok, cls, errors, turns):
+@pytest.mark.parametrize("cls", ["RaisingInteraction", "SlowInteraction", "MalformedInteraction",
+                                 "FailingStartInteraction"])
+def test_interaction_failures_end_the_conversation_counted_and_warned(tok, cls):
     """A generate_response that raises, runs past its timeout or answers malformed ends its conversation after the
     model's turn; a start_interaction that fails leaves the conversation without one. Counted, warned once."""
     interaction = getattr(tool_fixtures, cls)({"name": "x"})
@@ -490,11 +489,11 @@ def test_interaction_failures_end_the_conversation_counted_and_warned(tok, cls, 
     with pytest.warns(UserWarning, match="interaction 'x': .*counted in multi_turn/interaction_errors"):
         (conv,), _ = run_loop(tok, {}, {"Q?": ["hello"]}, interactions={"x": interaction},
                               extra_info={"interaction_kwargs": {"name": "x"}})
-    assert (conv.interaction_errors, conv.assistant_turns, conv.user_turn_rewards) == (errors, turns, [])
+    assert (conv.interaction_errors, conv.assistant_turns, conv.user_turn_rewards) == (1, 1, [])
     assert agent.multi_turn_metrics(agent.conversations_to_batch(
         {"input_ids": torch.tensor([conv.prompt_ids]), "attention_mask": torch.ones(1, len(conv.prompt_ids)),
          "position_ids": torch.arange(len(conv.prompt_ids)).unsqueeze(0)}, [conv], 32, 0, [{}])
-    )["multi_turn/interaction_errors"] == errors
+    )["multi_turn/interaction_errors"] == 1
 
 
 def test_rows_naming_an_interaction_the_yaml_lacks_are_refused(tok):
@@ -584,6 +583,10 @@ def test_gsm8k_interaction_rows_are_verls(tmp_path):
                        "interaction_kwargs": {"name": "gsm8k", "query": asked, "ground_truth": "7"}}}
     with pytest.raises(ValueError, match="--multiturn and --interaction"):
         data.preprocess_gsm8k(tmp_path / "in", tmp_path / "both", multiturn=True, interaction=True)
+    with pytest.raises(SystemExit) as exit_:          # the command line refuses both, as argparse does
+        data.main(["gsm8k", "--multiturn", "--interaction", "--input", str(tmp_path / "in"), "--out",
+                   str(tmp_path / "both")])
+    assert exit_.value.code == 2 and not (tmp_path / "both").exists()
 
 
 def test_interaction_turn_scores_may_be_numpy_scalars_or_none(tok):
