@@ -234,9 +234,23 @@ def test_fsdp_keys_follow_verls_roles(paths):
     assert load_config(None, verl_args + minirl_only, world_size=2) == cfg
 
 
-# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): Hydra's
-# settings and defaults list, then the values it changes
-VERL_MULTITURN_YAML = """\
+def config_folder(paths, **yamls):
+    """A --config-path folder holding yaml files ({file stem: text})."""
+    folder = paths["dir"] / "config"
+    folder.mkdir()
+    for stem, text in yamls.items():
+        (folder / f"{stem}.yaml").write_text(text)
+    return folder
+
+
+# the micro-batch sizes the example runs below are scaled to (2 ranks, the tiny model)
+SCALED_MICRO_BATCHES = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
+                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8")
+
+
+# The Hydra settings and defaults list that verl's example and recipe yamls open with
+VERL_YAML_HEADER = """\
 hydra:
   searchpath:
     - file://verl/trainer/config
@@ -244,7 +258,12 @@ hydra:
 defaults:
   - ppo_trainer
   - _self_
+"""
 
+
+# verl's examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): Hydra's
+# settings and defaults list, then the values it changes
+VERL_MULTITURN_YAML = VERL_YAML_HEADER + """
 data:
   max_prompt_length: 1024
   max_response_length: 1024
@@ -274,10 +293,8 @@ def test_verls_interaction_yaml_and_run_script_keys_load(paths):
     max_user_turns) with verl's gsm8k interaction yaml: the config loads, the interaction yaml is checked; with the
     interaction class misspelt it is a config error naming the key."""
     from test_agent import VERL_GSM8K_INTERACTION_YAML
-    folder = paths["dir"] / "interaction_config"
-    folder.mkdir()
-    (folder / "gsm8k_multiturn_grpo_w_interaction.yaml").write_text(VERL_INTERACTION_YAML)
-    (folder / "gsm8k_interaction_config.yaml").write_text(VERL_GSM8K_INTERACTION_YAML)
+    folder = config_folder(paths, gsm8k_multiturn_grpo_w_interaction=VERL_INTERACTION_YAML,
+                           gsm8k_interaction_config=VERL_GSM8K_INTERACTION_YAML)
     script = (f"algorithm.adv_estimator=grpo data.train_batch_size=512 data.max_prompt_length=1024 "
               f"data.max_response_length=$((1024 * 3)) data.filter_overlong_prompts=True data.truncation='error' "
               f"data.return_raw_chat=True actor_rollout_ref.model.path={paths['model']} "
@@ -306,15 +323,10 @@ def test_verls_interaction_yaml_and_run_script_keys_load(paths):
 def test_verls_multiturn_yaml_through_config_path_and_name_as_its_run_script_passes_them(paths):
     """verl's run script: `main_ppo --config-path="$CONFIG_PATH" --config-name='gsm8k_multiturn_grpo' ...`. The
     file's values land on verl's defaults; the command line still overrides the file (sglang -> vllm)."""
-    folder = paths["dir"] / "config"
-    folder.mkdir()
-    (folder / "gsm8k_multiturn_grpo.yaml").write_text(VERL_MULTITURN_YAML)
+    folder = config_folder(paths, gsm8k_multiturn_grpo=VERL_MULTITURN_YAML)
     mine = (f"algorithm.adv_estimator=grpo actor_rollout_ref.rollout.name=vllm "
             f"actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.model.path={paths['model']} "
-            f"data.train_files={paths['train']} data.val_files={paths['val']} "
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
-            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8")
+            f"data.train_files={paths['train']} data.val_files={paths['val']} {SCALED_MICRO_BATCHES}")
     _, printed = print_config_through_a_shell(f"--config-path=\"{folder}\" --config-name='gsm8k_multiturn_grpo' {mine}")
     assert printed["data"]["train_batch_size"] == 256 and printed["data"]["return_raw_chat"] is True
     assert printed["actor_rollout_ref"]["rollout"]["multi_turn"]["max_assistant_turns"] == 5
@@ -386,15 +398,7 @@ def test_config_path_and_name_flags(paths):
 
 
 # verl v0.5.0's recipe/dapo/config/dapo_trainer.yaml (Apache-2.0, tests/data/verl/LICENSE), which main_dapo loads
-DAPO_RECIPE_YAML = """
-hydra:
-  searchpath:
-    - file://verl/trainer/config
-
-defaults:
-  - ppo_trainer
-  - _self_
-
+DAPO_RECIPE_YAML = "\n" + VERL_YAML_HEADER + """
 data:
   gen_batch_size: ${data.train_batch_size}
 
@@ -422,15 +426,11 @@ def test_dapos_recipe_yaml_and_run_script_keys_load_as_main_dapo_reads_them(path
     """DAPO's run scripts: `main_dapo` (its yaml composed over verl's trainer config) with data.gen_batch_size,
     algorithm.filter_groups.* and reward_model.overlong_buffer.* set on the command line; gen_batch_size follows
     train_batch_size through the file's interpolation when not set."""
-    folder = paths["dir"] / "config"
-    folder.mkdir()
-    (folder / "dapo_trainer.yaml").write_text(DAPO_RECIPE_YAML)
+    folder = config_folder(paths, dapo_trainer=DAPO_RECIPE_YAML)
     mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
             f"data.val_files={paths['val']} algorithm.adv_estimator=grpo data.train_batch_size=8 "
-            f"actor_rollout_ref.rollout.n=2 actor_rollout_ref.actor.ppo_mini_batch_size=4 "
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
-            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
-            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 trainer.n_gpus_per_node=2")
+            f"actor_rollout_ref.rollout.n=2 actor_rollout_ref.actor.ppo_mini_batch_size=4 {SCALED_MICRO_BATCHES} "
+            f"trainer.n_gpus_per_node=2")
     _, printed = print_config_through_a_shell(f"--config-path={folder} --config-name=dapo_trainer {mine}")
     assert printed["data"]["gen_batch_size"] == 8 and printed["reward_model"]["reward_manager"] == "dapo"
     assert printed["algorithm"]["filter_groups"]["enable"] is False
