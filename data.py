@@ -198,12 +198,22 @@ class RLHFDataset:
             import vision
             images = vision.row_images(row, self.image_key, row["_folder"], "")
             ids, raw_ids, inputs = vision.encode_prompt(self.processor, self._messages(row), images,
-                                                        self.chat_template)
+                                                        self.chat_template, self.tools)
             return ids, raw_ids, {"image": images}, inputs
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
                                                   tools=self.tools, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ids, ids, None, None
+
+    def template_ignores_tools(self):
+        """Whether the chat template leaves the tool schemas out of the prompt (it renders a conversation the same
+        with and without them; Qwen2.5-VL's own template does): the model is then never shown the tools."""
+        if not self.tools:
+            return False
+        render = (self.processor or self.tokenizer).apply_chat_template
+        conversation = [{"role": "user", "content": "U"}]
+        return render(conversation, chat_template=self.chat_template, tools=self.tools, tokenize=False) == \
+            render(conversation, chat_template=self.chat_template, tokenize=False)
 
     def _prompt_ids(self, row):
         return self._encode(row)[0]

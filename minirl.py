@@ -149,6 +149,10 @@ class Trainer:
             dataset.check_prompt_lengths()                      # truncation=error: fail before loading
             if dataset.filter_summary() and self.rank == 0:    # verl prints the filtered length too
                 print(f"{key}: {dataset.filter_summary()}", flush=True)
+        if self.train_set.template_ignores_tools() and self.rank == 0:
+            print(f"warning: the chat template does not render the tool schemas, so the prompts do not show the "
+                  f"model its tools ({', '.join(self.tools)}); set actor_rollout_ref.model.custom_chat_template to "
+                  f"a template that renders `tools`", file=sys.stderr, flush=True)
         check_dataset_sizes(self.train_set, self.val_set, generation_batch_size(cfg))
         self.loader = PromptLoader(self.train_set, generation_batch_size(cfg), shuffle=data.shuffle, seed=data.seed)
         self.total_steps = total_training_steps(cfg, len(self.loader))

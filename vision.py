@@ -207,11 +207,12 @@ def check_row(row, prompt_key, image_key, video_key, base_dir, where):
     return images
 
 
-def encode_prompt(processor, messages, images, chat_template=None):
+def encode_prompt(processor, messages, images, chat_template=None, tools=None):
     """The processor's view of one prompt: (input_ids with the image tokens expanded, raw ids with one image
-    token per image (the vLLM input), multi_modal_inputs {pixel_values, image_grid_thw} or {} without images)."""
+    token per image (the vLLM input), multi_modal_inputs {pixel_values, image_grid_thw} or {} without images).
+    `tools`: the tool schemas a multi-turn run's template lists (as for a text model)."""
     typed = split_markers(messages)
-    text = processor.apply_chat_template(typed, chat_template=chat_template, add_generation_prompt=True,
+    text = processor.apply_chat_template(typed, chat_template=chat_template, tools=tools, add_generation_prompt=True,
                                          tokenize=False)
     raw_ids = processor.tokenizer.encode(text, add_special_tokens=False)
     if not images:

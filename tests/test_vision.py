@@ -329,6 +329,28 @@ def test_geo3k_multiturn_rows_are_verls_and_its_tool_grades_the_answer(tmp_path)
     assert final == 1.0
 
 
+def test_image_prompts_list_the_tools_when_the_template_renders_them(processor, tmp_path):
+    """A multi-turn run's tool schemas reach an image prompt's template as a text prompt's (verl's rollout templates
+    them with `tools`); a template that renders a conversation the same with and without them (the tiny model's,
+    like Qwen2.5-VL's own) is noticed, so the trainer can warn that the model is never shown its tools."""
+    import tools
+    (tmp_path / "geo3k_tool_config.yaml").write_text(VERL_GEO3K_TOOL_YAML)
+    schemas = [dict(tool.get_openai_tool_schema())
+               for tool in tools.load_tools(tmp_path / "geo3k_tool_config.yaml").values()]
+    path = write_vl_rows(tmp_path / "rows.parquet", ["<image>What colour?"], [[{"bytes": png("red"), "path": None}]])
+    listing = "{% if tools %}<|im_start|>system\n{{ tools[0].function.name }}<|im_end|>\n{% endif %}"
+    expected = ("<|im_start|>system\ncalc_geo3k_reward<|im_end|>\n<|im_start|>user\n"
+                "<|vision_start|><|image_pad|><|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n")
+    with_listing = RLHFDataset(path, processor.tokenizer, max_prompt_length=256, processor=processor, tools=schemas,
+                               chat_template=listing + processor.chat_template)
+    assert processor.tokenizer.decode(with_listing[0]["raw_prompt_ids"]) == expected
+    assert not with_listing.template_ignores_tools()
+    own = RLHFDataset(path, processor.tokenizer, max_prompt_length=256, processor=processor, tools=schemas)
+    assert own.template_ignores_tools()
+    without_tools = RLHFDataset(path, processor.tokenizer, max_prompt_length=256, processor=processor)
+    assert not without_tools.template_ignores_tools()
+
+
 def test_seed_example_config_qwen2_5_vl_geo3k_passes_print_config(tiny_vl_dir, tmp_path):
     """geo3k_vl.yaml holds the seed's example values (Qwen2.5-VL-32B on geometry3k); its paths point at this host."""
     import subprocess

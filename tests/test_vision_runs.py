@@ -208,8 +208,14 @@ def test_multi_turn_on_image_prompts_generates_every_turn_from_the_images(tiny_v
     every conversation has later turns; most of the vocabulary ends a turn (the model's generation_config), so the
     random model's turns are short. With vLLM, the engine's log-probs of every turn's tokens match the actor's
     forward over the whole conversation with its image (rollout_probs_diff at fp32 noise): a later turn generated
-    without the image would not."""
+    without the image would not. Tools are configured and the chat template lists them (as the template of
+    verl's geo3k multi-turn example does): every prompt shows the tools' schemas, as a text model's would."""
     import shutil
+
+    from demo_vl import VL_CHAT_TEMPLATE
+    from tool_fixtures import schema, write_tool_yaml
+    tools_template = ("{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+                      "{% endfor %}<|im_end|>\n{% endif %}" + VL_CHAT_TEMPLATE)
     model = tmp_path / "model"
     shutil.copytree(tiny_vl_dir, model)
     generation = json.loads((model / "generation_config.json").read_text())
@@ -220,19 +226,27 @@ def test_multi_turn_on_image_prompts_generates_every_turn_from_the_images(tiny_v
         row["extra_info"]["interaction_kwargs"] = {"name": "echo"}
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     (tmp_path / "echo.yaml").write_text("interaction:\n  - class_name: tests.tool_fixtures.EchoInteraction\n")
-    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={model}",
+    write_tool_yaml(tmp_path / "tools.yaml", prefix="tests.tool_fixtures")
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={model}",
              f"data.train_files={tmp_path}/train.parquet", "data.val_files=null", f"af_output_dir={tmp_path}/out",
              f"actor_rollout_ref.rollout.name={engine}", "actor_rollout_ref.rollout.dtype=float32",
              "trainer.total_training_steps=1", "trainer.val_before_train=False", "trainer.save_freq=-1",
-             "trainer.logger=[console]", "data.train_batch_size=4", "data.max_prompt_length=64",
+             "trainer.logger=[console]", "data.train_batch_size=4", "data.max_prompt_length=800",
              "data.max_response_length=48", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "data.return_raw_chat=True", "actor_rollout_ref.rollout.multi_turn.enable=True",
              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
              f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path}/echo.yaml",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path}/tools.yaml",
+             f"actor_rollout_ref.model.custom_chat_template={json.dumps(tools_template)}",
              f"trainer.rollout_data_dir={tmp_path}/rollouts", "engine_kwargs.vllm.disable_mm_preprocessor_cache=true")
     (row,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     lines = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    listed = "".join(json.dumps(schema(name, **props), sort_keys=True) + "\n" for name, props in (
+        ("add", {"a": "integer", "b": "integer"}), ("echo", {}), ("boom", {}), ("sleepy", {})))
+    assert all(line["input"].startswith(f"system\n# Tools\n{listed}\nuser\n") for line in lines), \
+        lines[0]["input"][:600]
+    assert "does not render the tool schemas" not in out.stderr
     replies = [m for line in lines for m in line["messages"]
                if m["role"] == "user" and m["content"].startswith("heard")]
     assert len(replies) >= len(lines) and row["num_turns/max"] >= 4
