@@ -574,6 +574,10 @@ def settings_without_effect(cfg):
         if multi_turn[key] and not multi_turn_on(cfg):
             found.append(f"config key 'actor_rollout_ref.rollout.multi_turn.{key}' is set but multi-turn rollouts "
                          f"are off, so it is not used: set actor_rollout_ref.rollout.multi_turn.enable=True")
+    if "chat_template" in cfg.actor_rollout_ref.model.override_config:     # verl's geo3k multi-turn script sets it
+        found.append("config key 'actor_rollout_ref.model.override_config.chat_template' sets an attribute of the "
+                     "model's config, which the prompts are not templated with: to change the chat template, set "
+                     "actor_rollout_ref.model.custom_chat_template")
     filter_groups = cfg.algorithm.filter_groups
     for key in ("metric", "max_num_gen_batches"):                    # read by dynamic sampling only (verl's too)
         dotted = f"algorithm.filter_groups.{key}"

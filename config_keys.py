@@ -124,6 +124,9 @@ DEFAULTS = {
                 "max_tool_response_length": Key(256, SIZE), "tool_response_truncate_side": "middle",
                 "interaction_config_path": null(str), "use_inference_chat_template": False,
                 "tokenization_sanity_check_mode": "strict", "format": "hermes",
+                # an older verl's turn limit, still set by verl's geo3k multi-turn example yaml, which verl's
+                # Hydra composition loads without it being a key: it loads here too (verl_keys.NO_EFFECT)
+                "max_turns": null(int, SIZE),
             },
         },
     },

@@ -223,6 +223,9 @@ NO_EFFECT = {
     "actor_rollout_ref.rollout.agent.": "the agent loop runs only in async mode",
     "actor_rollout_ref.rollout.trace.": "no rollout tracing",
     "actor_rollout_ref.rollout.multi_turn.completion_callback": "multi-turn uses minirl's own loop",
+    "actor_rollout_ref.rollout.multi_turn.max_turns":
+        "an older verl's turn limit, not a key of verl v0.5.0 (whose run ignores it too); the turn limits are "
+        "max_assistant_turns and max_user_turns",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template":
         "the tokens trained are those the model read while generating (earlier turns are never re-templated)",
     "algorithm.pf_ppo.": "used only with algorithm.use_pf_ppo=true",

@@ -320,6 +320,61 @@ def test_verls_interaction_yaml_and_run_script_keys_load(paths):
         bad.stderr and "Gsm8kInteractoin" in bad.stderr, bad.stderr
 
 
+# verl's examples/sglang_multiturn/config/geo3k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): it still sets
+# `max_turns`, which is not a key of verl v0.5.0's tree (Hydra's composition of yaml files loads it anyway)
+VERL_GEO3K_MULTITURN_YAML = VERL_YAML_HEADER + """
+data:
+  max_prompt_length: 2048
+  max_response_length: 2048
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_turns: 5
+      # tool_config_path: "./config/tool_config/gsm8k_tool_config.yaml"
+"""
+
+
+def test_verls_geo3k_multiturn_yaml_and_run_script_keys_load_with_what_has_no_effect_named(paths):
+    """verl's run_qwen2.5-3b_geo3k_multiturn.sh on its yaml and verl's geo3k tool yaml, the engine swapped: the
+    yaml's `max_turns` loads, as verl loads it, and the script's chat template (quoted as the script quotes it,
+    shortened), which goes to `override_config` (the model's config, not the prompts' template), loads; each is
+    named in a warning, and the turn limits stay verl's."""
+    from test_vision import VERL_GEO3K_TOOL_YAML
+    folder = config_folder(paths, geo3k_multiturn_grpo=VERL_GEO3K_MULTITURN_YAML,
+                           geo3k_tool_config=VERL_GEO3K_TOOL_YAML)
+    template = ("'+actor_rollout_ref.model.override_config.chat_template="
+                "\"{%- if tools %}{{- \\\"<|im_start|>system\\\\n\\\" }}{%- endif %}\"'")
+    script = (f"algorithm.adv_estimator=grpo data.train_batch_size=256 data.max_prompt_length=2048 "
+              f"data.max_response_length=2048 data.filter_overlong_prompts=True data.truncation='error' "
+              f"data.return_raw_chat=True actor_rollout_ref.model.path={paths['model']} {template} "
+              f"actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True "
+              f"actor_rollout_ref.actor.ppo_mini_batch_size=256 "
+              f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 "
+              f"actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=low_var_kl "
+              f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.name=vllm "
+              f"actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.n=16 "
+              f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 trainer.n_gpus_per_node=8 "
+              f"data.train_files={paths['train']} data.val_files={paths['val']} "
+              f"actor_rollout_ref.rollout.multi_turn.tool_config_path=\"{folder}/geo3k_tool_config.yaml\"")
+    out = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} minirl.py --print-config --config-path="
+                          f"\"{folder}\" --config-name='geo3k_multiturn_grpo' {script}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout.split("\nplanning for")[0])
+    multi_turn = printed["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (multi_turn["max_turns"], multi_turn["max_assistant_turns"], multi_turn["max_user_turns"]) == (5, None, None)
+    assert "{{- \"<|im_start|>system" in printed["actor_rollout_ref"]["model"]["override_config"]["chat_template"]
+    assert "'actor_rollout_ref.rollout.multi_turn.max_turns'=5 has no effect in minirl" in out.stderr
+    assert "'actor_rollout_ref.model.override_config.chat_template' sets an attribute of the model's config" in \
+        out.stderr and "set actor_rollout_ref.model.custom_chat_template" in out.stderr
+
+
 def test_verls_multiturn_yaml_through_config_path_and_name_as_its_run_script_passes_them(paths):
     """verl's run script: `main_ppo --config-path="$CONFIG_PATH" --config-name='gsm8k_multiturn_grpo' ...`. The
     file's values land on verl's defaults; the command line still overrides the file (sglang -> vllm)."""
