@@ -320,24 +320,12 @@ def test_verls_interaction_yaml_and_run_script_keys_load(paths):
         bad.stderr and "Gsm8kInteractoin" in bad.stderr, bad.stderr
 
 
-# verl's examples/sglang_multiturn/config/geo3k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): it still sets
-# `max_turns`, which is not a key of verl v0.5.0's tree (Hydra's composition of yaml files loads it anyway)
-VERL_GEO3K_MULTITURN_YAML = VERL_YAML_HEADER + """
-data:
-  max_prompt_length: 2048
-  max_response_length: 2048
-  train_batch_size: 256
-  return_raw_chat: True
-
-actor_rollout_ref:
-  hybrid_engine: True
-  rollout:
-    name: sglang
-    multi_turn:
-      enable: True
+# verl's examples/sglang_multiturn/config/geo3k_multiturn_grpo.yaml, verbatim (not pinned to v0.5.0): the gsm8k one
+# with longer lengths and `max_turns`, which is not a key of verl v0.5.0's tree (Hydra's composition loads it anyway)
+VERL_GEO3K_MULTITURN_YAML = VERL_MULTITURN_YAML.replace(": 1024", ": 2048").replace("      max_assistant_turns: 5\n", """\
       max_turns: 5
       # tool_config_path: "./config/tool_config/gsm8k_tool_config.yaml"
-"""
+""")
 
 
 def test_verls_geo3k_multiturn_yaml_and_run_script_keys_load_with_what_has_no_effect_named(paths):
