@@ -8,7 +8,8 @@ One conversation, start to end (`AgentLoop.converse`):
     2. generate an assistant turn with what is left of the response budget (and the prompt's images, if it has
        any: every turn is generated from them)                                          -> response_mask 1
     3. stop at the budget (response_length for the whole conversation), max_assistant_turns, max_user_turns,
-       or when the turn holds no <tool_call> and the row has no interaction
+       when the turn holds no <tool_call> and the row has no interaction, or after this first turn when the
+       row's agent_name is single_turn_agent (verl's agent loop for it: one generation, no tools)
     4. run its calls (the first max_parallel_calls, concurrently), truncate each answer to
        max_tool_response_length characters, template the tool messages                 -> response_mask 0
        or, without calls, hand the conversation to the interaction: its turn score is kept; it ends the
@@ -46,10 +47,14 @@ import numpy as np
 import torch
 
 from batch import gather_tp_groups
+from config import ConfigError
 from interactions import interaction_kwargs, interaction_name
 from tools import parse_hermes, truncate_tool_text
 
 MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
+# verl's agent loops that a row's `agent_name` column picks; a row without one gets the tool loop (verl's SGLang
+# rollout runs every row multi-turn; verl's async agent loop would give it single_turn_agent)
+AGENT_NAMES = ("tool_agent", "single_turn_agent")
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Conversation:
     multi_modal: dict = None             # the prompt's images (vision.rollout_inputs' entry); None: text only
     index: int = 0
     prompt_messages: int = 0             # how many of `messages` are the prompt's
+    single_turn: bool = False            # the row's agent_name is single_turn_agent: one turn, no tools
     response_ids: list = field(default_factory=list)    # everything after the prompt: model and template tokens
     mask: list = field(default_factory=list)            # 1 where the model wrote the token, 0 for tool/template
     logprobs: list = field(default_factory=list)        # the engine's log-probs of model tokens (0.0 elsewhere)
@@ -127,14 +133,16 @@ class AgentLoop:
         per conversation. generate: a blocking function from a list of Requests to [(tokens, logprobs or None)]
         (see engine_generate). multi_modal: vision.rollout_inputs of the rows (None without images); every turn
         is generated with the prompt's images. Returns one Conversation per row."""
-        infos = batch.get("extra_info") or [None] * len(batch["raw_prompt_ids"])
-        images = multi_modal or [None] * len(batch["raw_prompt_ids"])
+        rows = len(batch["raw_prompt_ids"])
+        infos = batch.get("extra_info") or [None] * rows
+        images = multi_modal or [None] * rows
+        agents = batch.get("agent_name") or [None] * rows
         conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info),
                                       interaction_kwargs(info) if self.interactions else {},
                                       entry if entry and entry["images"] else None, index=i,
-                                      prompt_messages=len(messages))
-                         for i, (ids, messages, info, entry) in enumerate(zip(
-                             batch["raw_prompt_ids"], batch["raw_prompt"], infos, images))]
+                                      prompt_messages=len(messages), single_turn=agent == "single_turn_agent")
+                         for i, (ids, messages, info, entry, agent) in enumerate(zip(
+                             batch["raw_prompt_ids"], batch["raw_prompt"], infos, images, agents))]
         return asyncio.run(self._run(conversations, generate, seed))
 
     async def _run(self, conversations, generate, seed):
@@ -180,7 +188,7 @@ class AgentLoop:
         eos = tokens[-1] if ended else None
         content = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
         c.messages.append({"role": "assistant", "content": content})
-        if (len(c.mask) >= self.response_length
+        if (c.single_turn or len(c.mask) >= self.response_length
                 or (cfg.max_assistant_turns and c.assistant_turns >= cfg.max_assistant_turns)
                 or (cfg.max_user_turns and c.user_turns >= cfg.max_user_turns)):
             c.done = True
@@ -365,6 +373,16 @@ def scheduling_mode(mode, tp_size, rank=0):
                           f"turn-synchronously (same results, no overlap of tools and generation)", stacklevel=2)
         return "sync"
     return mode
+
+
+def check_agent_names(rows, key):
+    """Every row's agent_name (verl's column picking its agent loop) is one of AGENT_NAMES, before any model loads.
+    rows: (where, row) pairs; key: the data file key, for the message."""
+    for where, row in rows:
+        name = row.get("agent_name")
+        if name is not None and name not in AGENT_NAMES:
+            raise ConfigError(f"{key} {where}: agent_name {name!r} is not an agent loop minirl runs; use "
+                              f"{' or '.join(AGENT_NAMES)}, or leave the column out (the tool loop)")
 
 
 def _tools_kwargs(extra_info):

@@ -263,6 +263,7 @@ class RLHFDataset:
         }
         if self.reward_fn_key in row:              # a data.reward_fn_key other than data_source travels too
             item[self.reward_fn_key] = row[self.reward_fn_key]
+        item["agent_name"] = row.get("agent_name")     # verl's agent loop for the row (multi-turn rollouts)
         if self.return_raw_chat:
             item["raw_prompt"] = self._messages(row)
         if multi_modal_inputs:

@@ -162,6 +162,8 @@ class Trainer:
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
             if self.interactions:          # every row's interaction_kwargs names one of the yaml's
                 interactions.check_rows(self.interactions, rows, "data file")
+            if use_agent:                  # and its agent_name is an agent loop minirl runs
+                agent.check_agent_names(rows, "data file")
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded

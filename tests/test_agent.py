@@ -189,6 +189,32 @@ def test_async_scheduler_lets_fast_conversations_overtake_slow_tools(tok, fixtur
     slow_tools["sleepy"].timeout = 0.2
 
 
+def test_a_rows_agent_name_picks_verls_agent_loop(tok, fixture_tools):
+    """verl's `agent_name` column: single_turn_agent generates once (a tool call in it is text, not run; the
+    row's interaction is not asked), tool_agent and a row without the column run the tool loop; another name is a
+    config error naming the row."""
+    script = {"A?": [call("add", a=2, b=3), "#### 5"], "B?": [call("add", a=2, b=3), "#### 5"],
+              "C?": [call("add", a=2, b=3), "#### 5"]}
+    loop = agent.AgentLoop(tok, {"add": fixture_tools["add"]}, multi_turn(), 512, eos_ids=[tok.eos_token_id],
+                           chat_template=TOOL_CHAT_TEMPLATE, interactions=gsm8k_interaction())
+    rows = {"raw_prompt_ids": [], "raw_prompt": [], "agent_name": ["single_turn_agent", "tool_agent", None],
+            "extra_info": [{"interaction_kwargs": {"ground_truth": "5"}}, {}, {}]}
+    for question in script:
+        messages = [{"role": "user", "content": question}]
+        rows["raw_prompt"].append(messages)
+        rows["raw_prompt_ids"].append(ids(tok, tok.apply_chat_template(
+            messages, chat_template=TOOL_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False)))
+    single, tool, unnamed = loop.run(rows, agent.engine_generate(ScriptedEngine(tok, script), Sampling(max_tokens=512),
+                                                                 batched=True), seed=0)
+    assert single.response_ids == ids(tok, call("add", a=2, b=3) + EOS) and single.mask == [1] * len(single.mask)
+    assert (single.assistant_turns, single.tool_calls, single.user_turn_rewards) == (1, 0, [])
+    assert (tool.assistant_turns, tool.tool_calls) == (unnamed.assistant_turns, unnamed.tool_calls) == (2, 1)
+    agent.check_agent_names([("t, row 0", {"agent_name": "tool_agent"}), ("t, row 1", {})], "data file")
+    with pytest.raises(ConfigError, match="data file t, row 4: agent_name 'react_agent' is not an agent loop minirl "
+                                          "runs; use tool_agent or single_turn_agent"):
+        agent.check_agent_names([("t, row 4", {"agent_name": "react_agent"})], "data file")
+
+
 def test_hermes_parsing():
     parsed = tools.parse_hermes('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b '
                                 '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'

@@ -178,6 +178,10 @@ def test_item_fields_raw_chat_and_collate(tokenizer, tmp_path):
     assert batch["input_ids"].shape == (2, 32) and batch["position_ids"].shape == (2, 32)
     assert batch["index"] == [41, 42] and batch["data_source"] == ["src0", "src1"]
     assert isinstance(batch["raw_prompt_ids"], list) and len(batch["raw_prompt_ids"]) == 2
+    assert batch["agent_name"] == [None, None]          # no column: the multi-turn loop's default
+    named = RLHFDataset(write_rows(tmp_path / "a.parquet", ["1", "2"], agent_name=["single_turn_agent", None]),
+                        tokenizer, max_prompt_length=32)
+    assert collate([named[0], named[1]])["agent_name"] == ["single_turn_agent", None]   # verl's agent loop column
 
 
 def test_custom_chat_template_overrides_the_tokenizers(tokenizer, tmp_path):
