@@ -137,16 +137,18 @@ class AgentLoop:
         infos = batch.get("extra_info") or [None] * rows
         images = multi_modal or [None] * rows
         agents = batch.get("agent_name") or [None] * rows
+        # a single_turn_agent row (verl's agent loop for one generation) has no tools and no interaction
         conversations = [Conversation(list(ids), [dict(m) for m in messages], _tools_kwargs(info),
-                                      interaction_kwargs(info) if self.interactions else {},
+                                      interaction_kwargs(info) if self.interactions and not single else {},
                                       entry if entry and entry["images"] else None, index=i,
-                                      prompt_messages=len(messages), single_turn=agent == "single_turn_agent")
-                         for i, (ids, messages, info, entry, agent) in enumerate(zip(
-                             batch["raw_prompt_ids"], batch["raw_prompt"], infos, images, agents))]
+                                      prompt_messages=len(messages), single_turn=single)
+                         for i, (ids, messages, info, entry, single) in enumerate(zip(
+                             batch["raw_prompt_ids"], batch["raw_prompt"], infos, images,
+                             [agent == "single_turn_agent" for agent in agents]))]
         return asyncio.run(self._run(conversations, generate, seed))
 
     async def _run(self, conversations, generate, seed):
-        await asyncio.gather(*(self.open_tools(c) for c in conversations))
+        await asyncio.gather(*(self.open_tools(c) for c in conversations if not c.single_turn))
         await asyncio.gather(*(self.start_interaction(c, seed) for c in conversations))
         if self.mode == "async":
             scheduler = Scheduler(generate)
