@@ -199,7 +199,8 @@ class Trainer:
         """Generate for `batch` (the same full batch on every rank) and return the full rollout batch on every
         rank. The engine's TP groups (tp_size consecutive ranks; 1 rank for hf) split the batch: group g takes the
         g-th contiguous share, all its ranks with the same prompts and seed, and one copy per group is gathered.
-        With vLLM the batch also carries rollout_log_probs [B, R] (vLLM's log-probs of the sampled tokens).
+        When sampling, the batch also carries rollout_log_probs [B, R] (the engine's log-probs of the sampled
+        tokens).
         Split devices: the rollout ranks generate it (offpolicy.Pipeline)."""
         if self.pipeline is not None:
             return self.pipeline.generate(batch, sampling, seed_purpose)
@@ -236,7 +237,7 @@ class Trainer:
         self.rollout.sleep()
         rows = agent.conversations_to_batch(local, conversations, sampling.max_tokens, self.tokenizer.pad_token_id,
                                             local["extra_info"])
-        if not vllm:                  # the hf engine gives no log-probs to check the actor's against
+        if sampling.greedy:           # greedy turns come without log-probs (validation; nothing checks them)
             del rows["rollout_log_probs"]
         return agent.gather_rows(rows, self.world_size, self.rollout.tp_size)
 
@@ -437,7 +438,7 @@ class Trainer:
         ent_sum, tok = all_reduce_sum([float((entropy * mask).sum()), float(mask.sum())], self.device)
         metrics = {"actor/entropy": ent_sum / max(tok, 1.0)}
         batch["old_log_probs"] = all_gather_rows(local["old_log_probs"], self.world_size)    # [B, R]
-        if "rollout_log_probs" in batch:                 # vLLM's log-probs vs the actor's, every step
+        if "rollout_log_probs" in batch:                 # the engine's log-probs vs the actor's, every step
             metrics.update(rollout_probs_diff(batch["rollout_log_probs"], batch["old_log_probs"],
                                               batch["response_mask"]))
         return metrics

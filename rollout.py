@@ -11,13 +11,13 @@ Every engine has the same small interface, so the trainer does not care which on
 Engines:
     hf    HFRollout: a plain Hugging Face model on this rank, `model.generate` (sampling with the rollout config
           only, one uniform number per row and token). Slow and obviously correct: the reference the vLLM engine is
-          checked against. Returns no log-probs.
+          checked against. Returns the sampled tokens' log-probs (of the distribution each was drawn from).
     vllm  VLLMRollout: vLLM colocated on the trainer's devices, one in-process engine per rank sharing the
           trainer's torch.distributed world; returns vLLM's log-probs of the sampled tokens.
 
 `responses_to_batch` turns the engine's token lists into verl's rollout batch (right-padded responses, the
 response mask up to and including the first EOS, input_ids/attention_mask/position_ids of prompt + response);
-`rollout_probs_diff` compares vLLM's log-probs with the actor's. (batch.gather_tp_groups collects one copy of each
+`rollout_probs_diff` compares the engine's log-probs with the actor's. (batch.gather_tp_groups collects one copy of each
 TP group's rows.)
 """
 from __future__ import annotations
@@ -130,8 +130,9 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids, sampling, seed, multi_modal=None):
-        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, None).
-        multi_modal (vision.rollout_inputs): prompts with images, generated from their expanded ids and pixels."""
+        """prompt_ids: list of token lists (unpadded). Returns (one response token list per prompt, the sampled
+        tokens' log-probs per prompt, None when greedy). multi_modal (vision.rollout_inputs): prompts with images,
+        generated from their expanded ids and pixels."""
         if multi_modal:
             prompt_ids = [entry["prompt_ids"] for entry in multi_modal]
         pad = self.tokenizer.pad_token_id
@@ -147,8 +148,9 @@ class HFRollout:
                       do_sample=False)
         if sampling.ignore_eos:        # a min_new_tokens of 0 would still install a logits processor
             kwargs["min_new_tokens"] = sampling.max_tokens
-        if not sampling.greedy:
-            kwargs["logits_processor"] = sampling_processors(sampling)
+        sampler = None if sampling.greedy else InverseCDFSampler()
+        if sampler is not None:
+            kwargs["logits_processor"] = sampling_processors(sampling, sampler)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             if multi_modal:
@@ -158,12 +160,12 @@ class HFRollout:
             with torch.inference_mode():
                 out = self.model.generate(input_ids=input_ids.to(self.device),
                                           attention_mask=attention_mask.to(self.device), **kwargs)
-        return [row[width:].tolist() for row in out.cpu()], None
+        return [row[width:].tolist() for row in out.cpu()], None if sampler is None else sampler.log_probs()
 
 
-def sampling_processors(sampling):
+def sampling_processors(sampling, sampler):
     """Hugging Face's own temperature, top-k and top-p warpers, in the order `generate` applies them when it
-    samples (each only when it changes something), then the draw."""
+    samples (each only when it changes something), then the draw (`sampler`, an InverseCDFSampler)."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     processors = LogitsProcessorList()
     if sampling.temperature != 1.0:
@@ -172,7 +174,7 @@ def sampling_processors(sampling):
         processors.append(TopKLogitsWarper(sampling.top_k))
     if sampling.top_p < 1.0:
         processors.append(TopPLogitsWarper(sampling.top_p))
-    processors.append(InverseCDFSampler())
+    processors.append(sampler)
     return processors
 
 
@@ -185,10 +187,19 @@ class InverseCDFSampler:
     quarter of the step on bench/vs_trl.py's tiny model) and 0.67 s at Qwen's 152k vocabulary. Inverting the
     cumulative distribution needs one uniform number per row: the token is the first whose cumulative probability
     exceeds u * total, u ~ U[0, 1) (0.12 ms and 0.09 s there). The distribution is the same; the random stream is
-    not, so seeded runs sample other tokens than multinomial would."""
+    not, so seeded runs sample other tokens than multinomial would.
+
+    It also keeps each drawn token's log-prob under the distribution it was drawn from (after the temperature,
+    and top-k/top-p when set), as vLLM's processed log-probs are: the log of a softmax entry is as exact as
+    log_softmax, so this costs one gather a step. The trainer compares them with the actor's every step
+    (`rollout_probs_diff`)."""
+
+    def __init__(self):
+        self.steps = []                  # one [rows] tensor of log-probs per generated token
 
     def __call__(self, input_ids, scores):
-        cumulative = scores.softmax(-1).cumsum(-1)                                         # [rows, V]
+        probs = scores.softmax(-1)                                                         # [rows, V]
+        cumulative = probs.cumsum(-1)                                                      # [rows, V]
         total = cumulative[:, -1:]                                                         # [rows, 1], ~1
         # below the total: u < 1 times any float rounds to below it, so the search stops at the last token that
         # adds mass at the latest, never on a zero-probability one after it
@@ -196,7 +207,12 @@ class InverseCDFSampler:
         # the first token whose cumulative probability exceeds the threshold; masked tokens add nothing, so they
         # can never be it
         token = torch.searchsorted(cumulative, threshold, right=True)                      # [rows, 1]
+        self.steps.append(probs.gather(-1, token).log().squeeze(-1))                      # [rows]
         return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)                # [rows, V]
+
+    def log_probs(self):
+        """Per row, the drawn tokens' log-probs, one per generated position."""
+        return torch.stack(self.steps, dim=1).float().cpu().tolist()                       # [rows, T]
 
 
 # ----------------------------------------------------------------------------------------------------------------

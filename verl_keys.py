@@ -218,7 +218,7 @@ NO_EFFECT = {
     "reward_model.sandbox_fusion.max_concurrent": "no sandbox is used",
     "reward_model.sandbox_fusion.memory_limit_mb": "no sandbox is used",
     "actor_rollout_ref.rollout.layered_summon": "weights are gathered in buckets of update_weights_bucket_megabytes",
-    "actor_rollout_ref.rollout.calculate_log_probs": "vLLM's log-probs are always compared (rollout_probs_diff)",
+    "actor_rollout_ref.rollout.calculate_log_probs": "the engine's log-probs are always compared (rollout_probs_diff)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "vLLM wakes weights and cache together",
     "actor_rollout_ref.rollout.agent.": "the agent loop runs only in async mode",
     "actor_rollout_ref.rollout.trace.": "no rollout tracing",

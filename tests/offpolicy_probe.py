@@ -1,10 +1,9 @@
 """Runs minirl for tests/test_offpolicy.py and records what it trained on, in one of two test-only ways:
 
     torchrun --nproc_per_node T+R tests/offpolicy_probe.py record OUT.pt key=value ...
-        a split run (pass trainer.n_gpus_per_node / rollout.n_gpus_per_node). On the rollout ranks the hf engine
-        also returns the log-probs of the tokens it sampled, computed with its own model at sampling time (the
-        policy that generated them). Trainer rank 0 writes OUT.pt: per step the batch it trained on and the actor's
-        weights when it took the batch, and the final weights.
+        a split run (pass trainer.n_gpus_per_node / rollout.n_gpus_per_node; the hf engine's batches carry the
+        log-probs of the tokens it sampled, under the policy that generated them). Trainer rank 0 writes OUT.pt: per
+        step the batch it trained on and the actor's weights when it took the batch, and the final weights.
     torchrun --nproc_per_node 1 tests/offpolicy_probe.py replay RECORD.pt OUT.pt key=value ...
         a colocated run whose generation returns RECORD's batches, one per step, with the recorded run's trainer
         thread count; writes the final weights to OUT.pt
@@ -19,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import minirl  # noqa: E402
 import offpolicy  # noqa: E402
-import rollout  # noqa: E402
 from models import full_state_dict_items  # noqa: E402
 
 
@@ -38,14 +36,6 @@ def sampled_logprobs(model, prompt_ids, responses, temperature):
 
 
 def record(out_path, *overrides):
-    generate = rollout.HFRollout.generate
-
-    def generate_with_logprobs(self, prompt_ids, sampling, seed):
-        tokens, _ = generate(self, prompt_ids, sampling, seed)
-        with torch.no_grad():
-            return tokens, sampled_logprobs(self.model, prompt_ids, tokens, sampling.temperature)
-
-    rollout.HFRollout.generate = generate_with_logprobs
     steps = []
     next_batch, close = offpolicy.Pipeline.next_batch, minirl.Trainer.close
 

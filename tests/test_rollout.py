@@ -71,6 +71,32 @@ def test_sampled_tokens_follow_the_policy_under_temperature_top_k_and_top_p(engi
     assert ((frequency - expected).abs() <= 5 * sigma + 1e-9).all(), (frequency - expected).abs().max()
 
 
+def test_sampled_log_probs_are_those_of_the_distribution_each_token_was_drawn_from(tiny_model_dir):
+    """The hf engine's log-probs of its sampled tokens (vLLM's processed log-probs), against a plain forward of each
+    prompt + response (one sequence, no padding, no KV cache): log_softmax(logits / temperature) at each token,
+    and with top-k/top-p the log of the truncated, renormalised probability written out by hand above. Prompts of
+    different lengths (left padding); responses past an EOS cut there."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = HFRollout(str(tiny_model_dir), tokenizer, torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompts = [PROMPT, PROMPT[:2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    for top_k, top_p in ((-1, 1.0), (20, 0.8)):
+        sampling = Sampling(max_tokens=12, temperature=0.7, top_k=top_k, top_p=top_p)
+        tokens, log_probs = engine.generate(prompts, sampling, seed=5)
+        for prompt, response, got in zip(prompts, tokens, log_probs):
+            assert len(got) == len(response)
+            ended = [i for i, t in enumerate(response) if t in engine.eos_ids]
+            kept = response[:ended[0] + 1] if ended else response
+            expected = []
+            for i, token in enumerate(kept):
+                logits = next_token_logits(model, prompt + kept[:i])
+                kept_k = top_k if top_k > 0 else logits.numel()
+                expected.append(nucleus_probabilities(logits, 0.7, kept_k, top_p)[token].log())
+            gap = (torch.tensor(got[:len(kept)], dtype=torch.double) - torch.stack(expected)).abs().max()
+            assert gap < 1e-5, gap
+    assert engine.generate(prompts, Sampling(max_tokens=4, do_sample=False), seed=0)[1] is None      # greedy
+
+
 def test_the_draw_matches_its_distribution_and_never_lands_on_a_masked_token(monkeypatch):
     """Scores with masked tokens at both ends and between: 200k draws against the softmax. Then the uniform number
     at its largest (1 - 2**-24), on rows whose probabilities sum to just under or over 1 after rounding: the draw is
