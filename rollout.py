@@ -17,8 +17,8 @@ Engines:
 
 `responses_to_batch` turns the engine's token lists into verl's rollout batch (right-padded responses, the
 response mask up to and including the first EOS, input_ids/attention_mask/position_ids of prompt + response);
-`rollout_probs_diff` compares the engine's log-probs with the actor's. (batch.gather_tp_groups collects one copy of each
-TP group's rows.)
+`rollout_probs_diff` compares the engine's log-probs with the actor's. (batch.gather_tp_groups collects one copy of
+each TP group's rows.)
 """
 from __future__ import annotations
 
@@ -148,8 +148,9 @@ class HFRollout:
                       do_sample=False)
         if sampling.ignore_eos:        # a min_new_tokens of 0 would still install a logits processor
             kwargs["min_new_tokens"] = sampling.max_tokens
-        sampler = None if sampling.greedy else InverseCDFSampler()
-        if sampler is not None:
+        sampler = None
+        if not sampling.greedy:
+            sampler = InverseCDFSampler()
             kwargs["logits_processor"] = sampling_processors(sampling, sampler)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
