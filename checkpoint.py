@@ -1,7 +1,8 @@
 """Checkpoints: save, resume, validate, prune, and export to Hugging Face format.
 
 The trainer calls two functions (a "role" is a trained model: the actor and, for PPO, the critic; any object with
-.model (FSDP2), .optimizer, .scheduler, .checkpoint_counters() and .load_checkpoint_counters(dict)):
+.model (FSDP2), .optimizer, .scheduler, .checkpoint_counters(), .load_checkpoint_counters(dict) and .on_device(), the
+context that brings offloaded weights and optimizer state to the device: models.Worker):
 
     step, row = checkpoint.resume(cfg, {"actor": actor}, loader)  # in Trainer.__init__: (0, None) when fresh
     checkpoint.save(cfg, step, {"actor": actor}, loader, tokenizer, metrics=row)   # every save_freq steps, the last
@@ -210,7 +211,8 @@ def save(cfg, step, roles, loader, tokenizer, stateful=None, metrics=None):
     for name, role in roles.items():
         contents = save_contents(cfg, name)
         manifest_roles[name] = {"contents": contents, "params": param_layout(role.model)}
-        _save_role(staging / name, role, contents, tokenizer, rank, world_size)
+        with role.on_device():
+            _save_role(staging / name, role, contents, tokenizer, rank, world_size)
     if rank == 0:
         trainer_state = {"global_step": step, "metrics": metrics,
                          "stateful": {key: obj.state_dict() for key, obj in (stateful or {}).items()}}
@@ -551,7 +553,8 @@ def resume(cfg, roles, loader, stateful=None):
     rank, world_size = _rank_and_world()
     manifest = validate(step_dir, world_size, {name: param_layout(role.model) for name, role in roles.items()})
     for name, role in roles.items():
-        _load_role(step_dir / name, role, manifest["roles"][name]["contents"], rank, world_size)
+        with role.on_device():      # the optimizer state is loaded onto its parameters' device
+            _load_role(step_dir / name, role, manifest["roles"][name]["contents"], rank, world_size)
     try:
         loader.load_state_dict(_torch_load(step_dir / "data.pt"))
     except ValueError as err:         # the data settings changed since the checkpoint

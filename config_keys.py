@@ -207,8 +207,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
     "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
-    "actor_rollout_ref.actor.fsdp_config.param_offload": (False, "parameter offload"),
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": (False, "optimizer offload"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
     # verl algorithms minirl does not have
     "algorithm.use_pf_ppo": (False, "PF-PPO reweighting of the batch"),

@@ -229,9 +229,19 @@ class MiniBatchPlan:
                    section.grad_clip, dp_size)
 
 
+OFFLOAD_DEVICE = torch.device("cpu")      # where param_offload / optimizer_offload keep a worker between phases
+
+
 class Worker:
     """An FSDP2-sharded model on this rank (`fsdp_cfg`: its role's fsdp_config). `optim_cfg` makes it trainable
     (AdamW + verl's LR schedule); without it the model is frozen in eval mode.
+
+    fsdp_config.param_offload (and, trained, optimizer_offload) keep the parameter shards (gradients with them)
+    and the optimizer state in host memory between phases: each phase that uses them (a log-prob pass, an update,
+    the weights handed to the rollout engine, a checkpoint) runs under `on_device`, which brings them in and sends
+    them back after (verl's load_fsdp_model_to_gpu / offload_fsdp_model_to_cpu and its optimizer pair, around the
+    same phases). It trades a host-device copy of the shards per phase for the device memory the engine and the
+    other models get meanwhile. On CPU the copies are no-ops.
 
     sp > 1 (Ulysses, ulysses.py; `sp_key` names its config key): each group of sp consecutive ranks works on the
     rows all its ranks brought (`group_rows`), each rank on a slice of every packed row; token budgets scale by
@@ -259,18 +269,59 @@ class Worker:
         # the memory of one unsharded fp32 gradient copy (what DDP holds). Accelerators keep verl's reduce-scatter
         # after every micro-batch: it overlaps with the backward there, and the gradients stay sharded.
         self.reduce_once = self.keep_gathered and device.type == "cpu"
+        self.offload_params = fsdp_cfg.param_offload
+        self.offload_optimizer = optim_cfg is not None and fsdp_cfg.optimizer_offload
+        self.offloaded_state = []        # (optimizer state dict, key) of each tensor offload_optimizer moved out
+        self.phases_open = 0             # on_device nesting: only the outermost one moves anything
         if optim_cfg is None:
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            return
-        trainable = [p for p in self.model.parameters() if p.requires_grad]     # with LoRA: the adapter only
-        # on CPU torch steps one tensor at a time unless asked; foreach is the same arithmetic, bit for bit, in
-        # fewer ops (bench/vs_trl.py's model on 2 ranks: 4.0 -> 1.1 ms a step). Accelerators keep torch's choice.
-        self.optimizer = torch.optim.AdamW(trainable, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                                           weight_decay=optim_cfg.weight_decay,
-                                           foreach=True if device.type == "cpu" else None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg, total_steps))
+        else:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]     # with LoRA: the adapter only
+            # on CPU torch steps one tensor at a time unless asked; foreach is the same arithmetic, bit for bit, in
+            # fewer ops (bench/vs_trl.py's model on 2 ranks: 4.0 -> 1.1 ms a step). Accelerators keep torch's.
+            self.optimizer = torch.optim.AdamW(trainable, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                                               weight_decay=optim_cfg.weight_decay,
+                                               foreach=True if device.type == "cpu" else None)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim_cfg, total_steps))
+        self.offload()
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """One phase's use of the model (and optimizer): what param_offload / optimizer_offload keep in host
+        memory comes to the device for it and goes back after. Nested uses move once, at the outermost."""
+        outermost = self.phases_open == 0
+        if outermost:
+            self.load()
+        self.phases_open += 1
+        try:
+            yield
+        finally:
+            self.phases_open -= 1
+            if outermost:
+                self.offload()
+
+    def load(self):
+        if self.offload_params:
+            self.model.to(self.device)           # FSDP2's own .to: the shards (and gradients) move, still sharded
+        for state, key in self.offloaded_state:
+            state[key] = state[key].to(self.device)
+        self.offloaded_state = []
+
+    def offload(self):
+        """Move what the offload switches name to OFFLOAD_DEVICE. Only optimizer state on the device moves (and
+        comes back): AdamW keeps its step counts in host memory, where they stay."""
+        if self.offload_params:
+            self.model.to(OFFLOAD_DEVICE)        # FSDP2 reshards first, so nothing gathered stays behind
+        if self.offload_optimizer:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.device.type == self.device.type:
+                        state[key] = value.to(OFFLOAD_DEVICE)
+                        self.offloaded_state.append((state, key))
+        if (self.offload_params or self.offload_optimizer) and self.device.type != "cpu":
+            getattr(torch, self.device.type).empty_cache()     # the freed blocks back to the engine and others
 
     def to_device(self, batch):
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -322,7 +373,8 @@ class Worker:
 
         self.model.train()          # transformers recomputes activations (gradient checkpointing) in train mode only
         try:
-            self._optimize_epochs(batch, plan, loss_fn, record)
+            with self.on_device():
+                self._optimize_epochs(batch, plan, loss_fn, record)
         finally:
             self.model.eval()       # log-prob passes run in eval mode, as verl's compute_log_prob
         record("lr", self.scheduler.get_last_lr()[0])
@@ -414,7 +466,8 @@ class Policy(Worker):
         """(name, full tensor) for the rollout engine, gathered in buckets of
         rollout.update_weights_bucket_megabytes (full_state_dict_items). A collective."""
         bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
-        return full_state_dict_items(self.model, keep, bucket_bytes)
+        with self.on_device():           # offloaded: back in host memory once the last tensor is taken
+            yield from full_state_dict_items(self.model, keep, bucket_bytes)
 
     def adapter(self):
         """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
@@ -433,7 +486,7 @@ class Policy(Worker):
         b, response_len = batch["responses"].shape
         logp = torch.zeros(b, response_len)
         entropy = torch.zeros(b, response_len) if calc_entropy else None
-        with frozen_pass(self.model):
+        with self.on_device(), frozen_pass(self.model):
             for index in self.micro_batches(batch, micro_size, dynamic, max_tokens):
                 lp, ent = self.forward(self.to_device(take(batch, index)), temperature, calc_entropy)
                 logp[index] = lp.cpu()
@@ -518,7 +571,7 @@ class Critic(Worker):
         batch = self.group_rows(batch)
         b, response_len = batch["responses"].shape
         values = torch.zeros(b, response_len)
-        with frozen_pass(self.model):
+        with self.on_device(), frozen_pass(self.model):
             for index in self.micro_batches(batch, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 values[index] = token_values(self.model, self.to_device(take(batch, index)),
@@ -583,7 +636,7 @@ class RewardModel(Worker):
         """Scores [b] for this rank's rows, micro-batched."""
         inputs = self.rm_inputs(batch)
         scores = torch.zeros(inputs["input_ids"].shape[0])
-        with frozen_pass(self.model):
+        with self.on_device(), frozen_pass(self.model):
             for index in self.micro_batches(inputs, micro_size, self.cfg.use_dynamic_bsz,
                                             self.cfg.forward_max_token_len_per_gpu):
                 micro = self.to_device(take(inputs, index))

@@ -203,13 +203,13 @@ NO_EFFECT = {
     "critic.model.use_shm": "models are read from their local path",
     "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
     "reward_model.model.fsdp_config.reshard_after_forward": None,
-    # what the subtree's reason above leaves unsaid for these (verl: offload to the CPU between phases; the
-    # actor's param_offload and optimizer_offload are refused instead: config_keys.NOT_YET)
-    **{f"{role}.fsdp_config.param_offload": "parameters stay on the device between phases (no CPU offload)"
-       for role in ("actor_rollout_ref.ref", "critic.model", "reward_model.model")},
-    **{f"{role}.fsdp_config.offload_policy": "parameters stay on the device (no CPU offload)"
+    # read: models.Worker offloads between phases (verl's manual offload); FSDP2's own CPUOffloadPolicy is not used
+    **{f"{role}.fsdp_config.param_offload": None
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")},
+    **{f"{role}.fsdp_config.optimizer_offload": None for role in ("actor_rollout_ref.actor", "critic.model")},
+    **{f"{role}.fsdp_config.offload_policy": "FSDP2's CPUOffloadPolicy is not used; param_offload and "
+       "optimizer_offload keep the model and optimizer state in host memory between phases"
        for role in ("actor_rollout_ref.actor", "critic.model")},
-    "critic.model.fsdp_config.optimizer_offload": "the optimizer state stays on the device (no CPU offload)",
     "reward_model.model.external_lib": "not imported",
     "reward_model.model.use_fused_kernels": "no fused kernels",
     "reward_model.model.use_shm": "models are read from their local path",

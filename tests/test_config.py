@@ -396,14 +396,19 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert len(warnings) == 2
     assert warnings[0].startswith("config key 'data.dataloader_num_workers'=4 has no effect in minirl")
     assert "'actor_rollout_ref.actor.fsdp_config.forward_prefetch'=True" in warnings[1]
-    # verl's offload switches (its 7B examples set them) say what happens instead, not the subtree's general reason
-    cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.ref.fsdp_config.param_offload=true",
-                                                     "critic.model.fsdp_config.optimizer_offload=true"], world_size=2)
+    # verl's offload switches (its examples set them) are read, for every worker; FSDP2's offload policy says what
+    # happens instead, not the subtree's general reason
+    switches = [f"{role}.fsdp_config.{key}=true" for role, keys in (
+        ("actor_rollout_ref.actor", ("param_offload", "optimizer_offload")), ("actor_rollout_ref.ref", ("param_offload",)),
+        ("critic.model", ("param_offload", "optimizer_offload")), ("reward_model.model", ("param_offload",)))
+        for key in keys]
+    cfg = load_config(write(paths, minimal(paths)), switches + ["critic.model.fsdp_config.offload_policy=true"],
+                      world_size=2)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload is True
     assert settings_without_effect(cfg) == [
-        "config key 'actor_rollout_ref.ref.fsdp_config.param_offload'=True has no effect in minirl: parameters stay "
-        "on the device between phases (no CPU offload)",
-        "config key 'critic.model.fsdp_config.optimizer_offload'=True has no effect in minirl: the optimizer state "
-        "stays on the device (no CPU offload)"]
+        "config key 'critic.model.fsdp_config.offload_policy'=True has no effect in minirl: FSDP2's CPUOffloadPolicy "
+        "is not used; param_offload and optimizer_offload keep the model and optimizer state in host memory between "
+        "phases"]
     # the agent loop's yamls while multi-turn rollouts are off: not read (verl does not read them either)
     yamls = [f"actor_rollout_ref.rollout.multi_turn.{key}_config_path=x.yaml" for key in ("tool", "interaction")]
     assert settings_without_effect(load_config(write(paths, minimal(paths)), yamls, world_size=2)) == [
