@@ -102,14 +102,19 @@ def frozen_pass(model):
     to free them, FSDP2 keeps whatever forward left gathered: the root's (embeddings and LM head) always, and with
     reshard_after_forward=false every layer's, which the pass's later micro-batches then reuse without gathering
     again. Freeing them here keeps a reference model from holding them through generation."""
-    from torch.distributed.fsdp import FSDPModule
     try:
         with torch.no_grad():
             yield
     finally:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard_all(model)
+
+
+def reshard_all(model):
+    """Free every parameter FSDP2 holds gathered, leaving each module with its shards only."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_state_dict_items(model, keep=None, bucket_bytes=0):
@@ -303,6 +308,7 @@ class Worker:
                 self.offload()
 
     def load(self):
+        """Bring back what offload moved out."""
         if self.offload_params:
             self.model.to(self.device)           # FSDP2's own .to: the shards (and gradients) move, still sharded
         for state, key in self.offloaded_state:
@@ -313,7 +319,9 @@ class Worker:
         """Move what the offload switches name to OFFLOAD_DEVICE. Only optimizer state on the device moves (and
         comes back): AdamW keeps its step counts in host memory, where they stay."""
         if self.offload_params:
-            self.model.to(OFFLOAD_DEVICE)        # FSDP2 reshards first, so nothing gathered stays behind
+            # only the shards move, never a gathered copy
+            reshard_all(self.model)
+            self.model.to(OFFLOAD_DEVICE)
         if self.offload_optimizer:
             for state in self.optimizer.state.values():
                 for key, value in state.items():

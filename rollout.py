@@ -144,10 +144,9 @@ class HFRollout:
             attention_mask[i, width - len(ids):] = 1
         # generate runs in its greedy mode; when sampling, the last logits processor draws the token (see
         # InverseCDFSampler for why) and leaves only it finite, so greedy's argmax takes it
-        kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=self.eos_ids, pad_token_id=pad,
-                      do_sample=False)
-        if sampling.ignore_eos:        # a min_new_tokens of 0 would still install a logits processor
-            kwargs["min_new_tokens"] = sampling.max_tokens
+        # ignore_eos as vLLM means it: an EOS is drawn like any other token and generation goes on past it
+        kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=[] if sampling.ignore_eos else self.eos_ids,
+                      pad_token_id=pad, do_sample=False)
         sampler = None
         if not sampling.greedy:
             sampler = InverseCDFSampler()

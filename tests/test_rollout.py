@@ -75,18 +75,19 @@ def test_sampled_log_probs_are_those_of_the_distribution_each_token_was_drawn_fr
     """The hf engine's log-probs of its sampled tokens (vLLM's processed log-probs), against a plain forward of each
     prompt + response (one sequence, no padding, no KV cache): log_softmax(logits / temperature) at each token,
     and with top-k/top-p the log of the truncated, renormalised probability written out by hand above. Prompts of
-    different lengths (left padding); responses past an EOS cut there."""
+    different lengths (left padding); responses past an EOS cut there, but with ignore_eos, where the EOS is drawn
+    from the model's distribution like any token (vLLM's meaning) and generation goes on."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = HFRollout(str(tiny_model_dir), tokenizer, torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompts = [PROMPT, PROMPT[:2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
-    for top_k, top_p in ((-1, 1.0), (20, 0.8)):
-        sampling = Sampling(max_tokens=12, temperature=0.7, top_k=top_k, top_p=top_p)
+    for top_k, top_p, ignore_eos in ((-1, 1.0, False), (20, 0.8, False), (-1, 1.0, True)):
+        sampling = Sampling(max_tokens=12, temperature=0.7, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
         tokens, log_probs = engine.generate(prompts, sampling, seed=5)
         for prompt, response, got in zip(prompts, tokens, log_probs):
-            assert len(got) == len(response)
+            assert len(got) == len(response) and (len(response) == 12 or not ignore_eos)
             ended = [i for i, t in enumerate(response) if t in engine.eos_ids]
-            kept = response[:ended[0] + 1] if ended else response
+            kept = response[:ended[0] + 1] if ended and not ignore_eos else response
             expected = []
             for i, token in enumerate(kept):
                 logits = next_token_logits(model, prompt + kept[:i])
