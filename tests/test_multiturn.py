@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -122,6 +124,23 @@ def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
     assert "Loading weights" not in out.stderr + out.stdout
 
 
+
+def test_an_unknown_agent_name_fails_before_models_load(box_dir, tmp_path):
+    """A row whose agent_name is no agent loop minirl runs (verl's column; here the train file's row 2) stops the
+    run under torchrun before any model loads, naming the file, the row and the names that work."""
+    rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
+    for index, row in enumerate(rows):
+        row["agent_name"] = "react_agent" if index == 2 else "tool_agent"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    args = [arg.replace(f"{box_dir}/data/train.parquet", str(tmp_path / "train.parquet"))
+            for arg in overrides(box_dir, tmp_path, "hf", "async")]
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *args, expect_ok=False)
+    assert out.returncode != 0
+    assert (f"config error: data file {tmp_path / 'train.parquet'}, row 2: agent_name 'react_agent' is not an agent "
+            f"loop minirl runs; use tool_agent or single_turn_agent") in out.stderr
+    assert "Loading weights" not in out.stderr + out.stdout
+
+
 # verl's examples/sglang_multiturn gsm8k settings (run_qwen2.5-3b_gsm8k_multiturn.sh + gsm8k_multiturn_grpo.yaml),
 # on its agent-loop path (rollout.mode=async, vllm); paths point at local files
 VERL_GSM8K_MULTITURN = [
@@ -209,7 +228,6 @@ def test_vllm_run_with_an_interaction_and_tools_and_its_resume(box_dir, tmp_path
     where a last reply did not fit the budget). The vLLM-vs-actor check runs on every step. A second run resumed
     from the first's step-1 checkpoint gives step 2's metrics and conversations again."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
     rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
     for row in rows:
         row["extra_info"]["interaction_kwargs"] = {"name": "echo"}
