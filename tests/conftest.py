@@ -1,7 +1,8 @@
 """Shared pytest fixtures: tiny local tokenizer/models (built once per session, no hub), the demo assets and
 the GSM8K sample in tests/data/gsm8k. Use them by naming them as test arguments, e.g.
 `def test_x(tiny_model_dir): AutoModelForCausalLM.from_pretrained(tiny_model_dir)`. Plain helpers shared by test
-files (`from conftest import ...`): padded_batch (a rollout-shaped batch), t and close (tensors, comparisons)."""
+files (`from conftest import ...`): padded_batch (a rollout-shaped batch), t and close (tensors, comparisons),
+OFFLOAD_SWITCHES (every verl offload switch minirl reads, on)."""
 
 import os
 
@@ -139,3 +140,11 @@ def close(actual, expected, atol=1e-5, rtol=1e-5):
     import torch
     torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
                                torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
+
+
+# verl's offload switches, on, for every worker that has them: the optimizer's only where there is an optimizer
+OFFLOAD_SWITCHES = [f"{role}.fsdp_config.{key}=true" for role, keys in (
+    ("actor_rollout_ref.actor", ("param_offload", "optimizer_offload")),
+    ("actor_rollout_ref.ref", ("param_offload",)),
+    ("critic.model", ("param_offload", "optimizer_offload")),
+    ("reward_model.model", ("param_offload",))) for key in keys]

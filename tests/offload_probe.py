@@ -1,5 +1,5 @@
 """Train through the real Trainer with param_offload / optimizer_offload on, checking that no worker's weights or
-optimizer state are used while offloaded (for tests/test_offload.py):
+optimizer state are used while offloaded (for tests/test_ppo.py):
 
     torchrun --nproc_per_node W tests/offload_probe.py OUT.json key=value ...
 

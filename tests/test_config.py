@@ -11,6 +11,7 @@ import yaml
 
 from batch_plan import batch_plan
 from config import DEFAULTS, ConfigError, dapo_reward_arguments, load_config, settings_without_effect
+from conftest import OFFLOAD_SWITCHES
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_KEYS = ROOT / "docs" / "seed-keys.md"  # the seed's key list, one table row per key
@@ -398,11 +399,7 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
     assert "'actor_rollout_ref.actor.fsdp_config.forward_prefetch'=True" in warnings[1]
     # verl's offload switches (its examples set them) are read, for every worker; FSDP2's offload policy says what
     # happens instead, not the subtree's general reason
-    switches = [f"{role}.fsdp_config.{key}=true" for role, keys in (
-        ("actor_rollout_ref.actor", ("param_offload", "optimizer_offload")), ("actor_rollout_ref.ref", ("param_offload",)),
-        ("critic.model", ("param_offload", "optimizer_offload")), ("reward_model.model", ("param_offload",)))
-        for key in keys]
-    cfg = load_config(write(paths, minimal(paths)), switches + ["critic.model.fsdp_config.offload_policy=true"],
+    cfg = load_config(write(paths, minimal(paths)), OFFLOAD_SWITCHES + ["critic.model.fsdp_config.offload_policy=true"],
                       world_size=2)
     assert cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload is True
     assert settings_without_effect(cfg) == [

@@ -10,6 +10,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import losses
 from demo import build_tiny_model
+from conftest import OFFLOAD_SWITCHES
 from launch import ROOT, assert_resumed, torchrun
 
 
@@ -228,12 +229,6 @@ def test_critic_warmup_holds_the_actor_back(demo_dir, ppo_models, tmp_path):
     assert "critic/vf_loss" in rows[2] and "actor/pg_loss" in rows[2]
 
 
-OFFLOAD_SWITCHES = [f"{role}.fsdp_config.{key}=true" for role, keys in (
-    ("actor_rollout_ref.actor", ("param_offload", "optimizer_offload")), ("actor_rollout_ref.ref", ("param_offload",)),
-    ("critic.model", ("param_offload", "optimizer_offload")), ("reward_model.model", ("param_offload",)))
-    for key in keys]
-
-
 def test_offloaded_workers_are_used_only_on_the_device_and_train_as_without_offload(demo_dir, ppo_models, tmp_path):
     """verl's offload switches on every worker (actor with its optimizer, reference, critic with its optimizer,
     reward model), 2 ranks, 2 PPO steps with a checkpoint after each. On CPU the moves cannot show in the numbers,
@@ -245,6 +240,7 @@ def test_offloaded_workers_are_used_only_on_the_device_and_train_as_without_offl
               "reward_model.enable=true", f"reward_model.model.path={ppo_models}/rm",
               "reward_model.micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=true",
               "trainer.logger=[console]", "actor_rollout_ref.rollout.name=hf"]
+
     def offloaded_run(name, *extra):
         out = torchrun(2, "tests/offload_probe.py", tmp_path / f"{name}.json", *common, *OFFLOAD_SWITCHES,
                        f"af_output_dir={tmp_path / name}", *extra)
@@ -261,8 +257,8 @@ def test_offloaded_workers_are_used_only_on_the_device_and_train_as_without_offl
     step1 = tmp_path / "offload" / "checkpoints" / "global_step_1"
     assert_resumed(offloaded_run("resumed", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"), 1)
     torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *common, f"af_output_dir={tmp_path / 'plain'}")
-    offloaded, plain = metric_rows(tmp_path / "offload" / "metrics.jsonl"), metric_rows(tmp_path / "plain" / "metrics.jsonl")
-    resumed = metric_rows(tmp_path / "resumed" / "metrics.jsonl")
+    offloaded, plain, resumed = (metric_rows(tmp_path / name / "metrics.jsonl")
+                                 for name in ("offload", "plain", "resumed"))
     assert {"critic/vf_loss", "actor/kl_loss", "critic/score/mean"} <= set(plain[2])
     assert offloaded == plain
     assert resumed[2] == plain[2]
