@@ -468,7 +468,8 @@ trainer:
 def test_dapos_recipe_yaml_and_run_script_keys_load_as_main_dapo_reads_them(paths):
     """DAPO's run scripts: `main_dapo` (its yaml composed over verl's trainer config) with data.gen_batch_size,
     algorithm.filter_groups.* and reward_model.overlong_buffer.* set on the command line; gen_batch_size follows
-    train_batch_size through the file's interpolation when not set."""
+    train_batch_size through the file's interpolation when not set. The scripts' `offload=True` goes to the actor's
+    and the reference's offload switches, which load and are read."""
     folder = config_folder(paths, dapo_trainer=DAPO_RECIPE_YAML)
     mine = (f"actor_rollout_ref.model.path={paths['model']} data.train_files={paths['train']} "
             f"data.val_files={paths['val']} algorithm.adv_estimator=grpo data.train_batch_size=8 "
@@ -479,8 +480,14 @@ def test_dapos_recipe_yaml_and_run_script_keys_load_as_main_dapo_reads_them(path
     assert printed["algorithm"]["filter_groups"]["enable"] is False
     script = ("data.gen_batch_size=24 algorithm.filter_groups.enable=True algorithm.filter_groups.metric=acc "
               "algorithm.filter_groups.max_num_gen_batches=10 reward_model.overlong_buffer.enable=True "
-              "reward_model.overlong_buffer.len=128 reward_model.overlong_buffer.penalty_factor=1.0")
+              "reward_model.overlong_buffer.len=128 reward_model.overlong_buffer.penalty_factor=1.0 "
+              "actor_rollout_ref.actor.fsdp_config.param_offload=True "
+              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True "
+              "actor_rollout_ref.ref.fsdp_config.param_offload=True")
     stdout, printed = print_config_through_a_shell(f"--config-path={folder} --config-name=dapo_trainer {mine} {script}")
     assert printed["reward_model"]["overlong_buffer"] == {"enable": True, "len": 128, "penalty_factor": 1.0,
                                                           "log": False}
+    actor = printed["actor_rollout_ref"]["actor"]["fsdp_config"]
+    assert actor["param_offload"] is actor["optimizer_offload"] is True
+    assert printed["actor_rollout_ref"]["ref"]["fsdp_config"]["param_offload"] is True
     assert "dynamic sampling: batches of 24 prompts (data.gen_batch_size) until 8 prompts' responses differ" in stdout
