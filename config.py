@@ -584,6 +584,16 @@ def settings_without_effect(cfg):
         if not filter_groups.enable and filter_groups[key] != get_dotted(defaults, dotted):
             found.append(f"config key '{dotted}'={_show(filter_groups[key])} is set but dynamic sampling is off, so "
                          f"it is not used: set algorithm.filter_groups.enable=true")
+    alg = cfg.algorithm
+    for key in ("reweight_method", "weight_pow"):                    # read by PF-PPO only (verl's too)
+        dotted = f"algorithm.pf_ppo.{key}"
+        if not alg.use_pf_ppo and alg.pf_ppo[key] != get_dotted(defaults, dotted):
+            found.append(f"config key '{dotted}'={_show(alg.pf_ppo[key])} is set but PF-PPO is off, so it is not "
+                         f"used: set algorithm.use_pf_ppo=true")
+    if alg.use_pf_ppo and alg.adv_estimator != "gae":
+        found.append(f"config key 'algorithm.use_pf_ppo'=true has no effect with algorithm.adv_estimator="
+                     f"{alg.adv_estimator}: PF-PPO resamples the batch after GAE only (as verl); use "
+                     f"algorithm.adv_estimator=gae with a critic")
     return found
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from data import TRUNCATION_MODES
-from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES
+from losses import ADVANTAGE_ESTIMATORS, KL_PENALTY_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS, POLICY_LOSS_MODES
 from verl_keys import DAPO_RECIPE, FREE_FORM, VERL_DEFAULTS
 
 
@@ -164,6 +164,8 @@ DEFAULTS = {
                     "target_kl": Key(0.1, COUNT)},
         # DAPO's dynamic sampling (verl_keys.DAPO_RECIPE; minirl.Trainer.sample_varied_groups)
         "filter_groups": {"enable": False, "metric": null(str), "max_num_gen_batches": Key(0, COUNT)},
+        # PF-PPO: the batch resampled by its scores after GAE (minirl.Trainer.pf_ppo_resample)
+        "use_pf_ppo": False, "pf_ppo": {"reweight_method": "pow", "weight_pow": Key(2.0, COUNT)},
     },
     "trainer": {
         "balance_batch": True, "total_epochs": Key(30, SIZE), "total_training_steps": null(int, SIZE),
@@ -197,6 +199,7 @@ CHOICES = {
     "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
     "algorithm.kl_penalty": KL_PENALTY_KINDS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.pf_ppo.reweight_method": PF_PPO_METHODS,
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
     "reward_model.reward_manager": ("naive", "dapo", "batch", "prime"),
@@ -208,8 +211,7 @@ LOGGERS = ("console", "tensorboard", "wandb")
 NOT_YET = {
     "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
-    # verl algorithms minirl does not have
-    "algorithm.use_pf_ppo": (False, "PF-PPO reweighting of the batch"),
+    # verl features minirl does not have
     "data.sampler.class_path": (None, "a custom (curriculum) sampler"),
     "reward_model.sandbox_fusion.url": (None, "sandbox-fusion code execution rewards"),
 }

@@ -385,6 +385,41 @@ def compute_advantages(name: str, *, token_rewards: Tensor, mask: Tensor, group_
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# PF-PPO: resample the batch by its scores (algorithm.use_pf_ppo; verl `compute_pf_ppo_reweight_data`)
+
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+PF_PPO_WEIGHT_FLOOR = 1e-8   # verl adds it to every weight (and clamps there), so no row's chance is exactly 0
+
+
+@torch.no_grad()
+def pf_ppo_weights(scores: Tensor, method: str, weight_pow: float = 2.0) -> Tensor:
+    """The resampling weight of each response from its score s_i (the sum of its token-level scores, before any
+    KL penalty) [B]:
+        pow:        w_i = |s_i|^weight_pow
+        max_min:    w_i = 1 if s_i is the batch's max or min score, else 0
+        max_random: w_i = 0.4 if s_i is the batch's max score, else 0.1
+    then w_i = max(w_i + 1e-8, 1e-8)."""
+    if method == "pow":
+        weights = scores.abs().pow(weight_pow)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"unknown PF-PPO reweight_method {method!r}; valid: {', '.join(PF_PPO_METHODS)}")
+    return (weights + PF_PPO_WEIGHT_FLOOR).clamp(min=PF_PPO_WEIGHT_FLOOR)
+
+
+@torch.no_grad()
+def pf_ppo_resample(scores: Tensor, method: str, weight_pow: float, generator: torch.Generator) -> Tensor:
+    """Policy filtration (PF-PPO): the rows of a new batch of the same size B, drawn with replacement with
+    probability w_i / Σ_j w_j (pf_ppo_weights), so high-|score| (pow) or extreme (max_min) responses are trained on
+    more often and others may drop out. Returns the drawn row indices [B], in draw order."""
+    weights = pf_ppo_weights(scores, method, weight_pow)  # [B]
+    return torch.multinomial(weights, scores.shape[0], replacement=True, generator=generator)  # [B]
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # KL penalty estimators (verl `kl_penalty`), d = logprob − ref_logprob per token
 
 _KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -15,7 +15,8 @@ One training step, in verl's order (see `train_step`):
     3. balance sequence lengths across ranks
     4. score them (rule rewards in rewards.py, or a reward model), the score on each response's last token
     5. old log-probs (the policy that sampled), reference log-probs (for KL), the critic's values (PPO)
-    6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward
+    6. advantages (losses.py) over the whole batch, after an optional KL penalty on the reward (PF-PPO then
+       draws the rows the updates train on by their scores)
     7. PPO updates of the critic and the actor: mini-batches, micro-batches, loss normalised over the global
        mini-batch
 With DAPO's dynamic sampling (algorithm.filter_groups) phases 1, 2 and 4 repeat over several batches of prompts until
@@ -349,6 +350,8 @@ class Trainer:
                     alg.adv_estimator, token_rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                     group_ids=batch["uid"], values=batch.get("values"), baselines=batch.get("reward_baselines"),
                     gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+                if alg.use_pf_ppo and alg.adv_estimator == "gae":     # PF-PPO: the updates train on a resample
+                    batch, mine, local = self.pf_ppo_resample(batch, local)
                 local["advantages"], local["returns"] = batch["advantages"][mine], batch["returns"][mine]
 
             # 7. PPO updates: the critic, then the actor (after critic_warmup steps, as verl); each is
@@ -430,6 +433,22 @@ class Trainer:
         metrics["train/num_gen_batches"] = gen_batches
         rows = wanted * cfg.actor_rollout_ref.rollout.n
         return take(concat(kept), list(range(rows)))                      # whole groups: each holds n rows
+
+    def pf_ppo_resample(self, batch, local):
+        """PF-PPO (algorithm.use_pf_ppo; verl's compute_advantage after GAE, v0.5.0): the updates train on B rows
+        drawn with replacement from the batch, favoured by their scores (losses.pf_ppo_resample), and the step's
+        metrics and generation dump describe the drawn rows, as verl's. Every rank draws alike (the generator is
+        seeded by the step, so a resumed run draws the same rows too); the drawn rows are balanced over the ranks
+        again. Returns (the drawn full batch, this rank's row indices in it, this rank's rows)."""
+        if "reward_extras" not in batch:          # gathered first, so that they follow their rows
+            batch["reward_extras"] = all_gather_rows(local["reward_extras"], self.world_size)
+        pf_ppo = self.cfg.algorithm.pf_ppo
+        generator = torch.Generator().manual_seed(self.seed_of(self.global_step, 0, "pf_ppo"))
+        drawn = losses.pf_ppo_resample(batch["token_level_scores"].sum(-1).cpu(), pf_ppo.reweight_method,
+                                       pf_ppo.weight_pow, generator)                              # [B]
+        batch, mine, local, _ = balance_and_shard(take(batch, drawn.tolist()), self.rank, self.world_size,
+                                                  self.cfg.trainer.balance_batch, self.actor.shares_prompts)
+        return batch, mine, local
 
     def record_old_log_probs(self, batch, local, entropy):
         """Gather this rank's old log-probs into the full batch; metrics: actor/entropy (over all ranks' response

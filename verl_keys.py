@@ -228,7 +228,6 @@ NO_EFFECT = {
         "max_assistant_turns and max_user_turns",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template":
         "the tokens trained are those the model read while generating (earlier turns are never re-templated)",
-    "algorithm.pf_ppo.": "used only with algorithm.use_pf_ppo=true",
     "trainer.default_hdfs_dir": "checkpoints are written locally",
     "trainer.del_local_ckpt_after_load": "checkpoints are kept",
     "trainer.profile_steps": "no profiler",

@@ -462,10 +462,27 @@ def test_world_size_for_planning(paths, monkeypatch):
 
 
 def test_verl_keys_that_change_the_algorithm_are_refused(paths):
-    for override, feature in (("algorithm.use_pf_ppo=True", "PF-PPO"), ("data.sampler.class_path=my.py", "sampler"),
+    for override, feature in (("data.sampler.class_path=my.py", "sampler"),
                               ("reward_model.sandbox_fusion.url=http://x", "sandbox")):
         with pytest.raises(ConfigError, match=rf"'{override.split('=')[0]}' enables .*{feature}"):
             load_config(write(paths, minimal(paths)), [override], world_size=2)
+
+
+def test_pf_ppo_settings_are_checked_and_named_where_they_do_nothing(paths):
+    cfg = load_config(write(paths, minimal(paths)), ["algorithm.pf_ppo.reweight_method=max_min",
+                                                     "algorithm.pf_ppo.weight_pow=1.0"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        f"config key 'algorithm.pf_ppo.{key}'={value} is set but PF-PPO is off, so it is not used: set "
+        f"algorithm.use_pf_ppo=true" for key, value in (("reweight_method", "'max_min'"), ("weight_pow", 1.0))]
+    # verl resamples after GAE only: with another estimator the switch does nothing there either
+    cfg = load_config(write(paths, minimal(paths)), ["algorithm.use_pf_ppo=true"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        "config key 'algorithm.use_pf_ppo'=true has no effect with algorithm.adv_estimator=grpo: PF-PPO resamples the "
+        "batch after GAE only (as verl); use algorithm.adv_estimator=gae with a critic"]
+    with pytest.raises(ConfigError, match=r"'algorithm.pf_ppo.reweight_method' is 'maxmin' \(did you mean 'max_min'\?\); choose one of: pow"):
+        load_config(write(paths, minimal(paths)), ["algorithm.pf_ppo.reweight_method=maxmin"])
+    with pytest.raises(ConfigError, match=r"'algorithm.pf_ppo.weight_pow'"):
+        load_config(write(paths, minimal(paths)), ["algorithm.pf_ppo.weight_pow=-1"])
 
 
 def test_policy_loss_modes_are_verls_and_their_options_checked(paths):

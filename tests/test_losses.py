@@ -465,6 +465,32 @@ def test_critic_loss():
     close(values.grad, [[0.5, 0.0, 0.0]])
 
 
+# ------------------------------------------------------------------------------------------------ PF-PPO
+
+def test_pf_ppo_weights_by_method():
+    scores = t([1.0, -2.0, 0.5, 0.0])
+    close(L.pf_ppo_weights(scores, "pow", 2.0), [1.0, 4.0, 0.25, 1e-8], rtol=1e-6)   # |s|^2, + 1e-8
+    close(L.pf_ppo_weights(scores, "pow", 1.0), [1.0, 2.0, 0.5, 1e-8], rtol=1e-6)
+    close(L.pf_ppo_weights(scores, "max_min", 2.0), [1.0, 1.0, 1e-8, 1e-8], rtol=1e-6)  # max 1 and min -2
+    close(L.pf_ppo_weights(scores, "max_random", 2.0), [0.4, 0.1, 0.1, 0.1], rtol=1e-6)  # max 1 only
+    close(L.pf_ppo_weights(t([0.0, 0.0]), "pow", 2.0), [1e-8, 1e-8], rtol=1e-6)   # all zero: drawn uniformly
+    with pytest.raises(ValueError, match="unknown PF-PPO reweight_method 'top'; valid: pow, max_min, max_random"):
+        L.pf_ppo_weights(scores, "top", 2.0)
+
+
+def test_pf_ppo_resample_draws_rows_in_proportion_to_their_weights():
+    # 1000 rows scored -2, 2000 scored 1, 1000 scored 0; pow 2 weighs them 4, 1 and ~0: a draw lands on a -2 row
+    # with probability 4000 / (4000 + 2000) = 2/3, on a 1 row with 1/3, on a 0 row with ~1e-8 · 1000 / 6000
+    scores = torch.cat([torch.full((1000,), -2.0), torch.ones(2000), torch.zeros(1000)])
+    drawn = L.pf_ppo_resample(scores, "pow", 2.0, torch.Generator().manual_seed(0))
+    assert drawn.shape == (4000,) and drawn.dtype == torch.long
+    picked = scores[drawn]
+    assert (picked == 0).sum() == 0
+    assert abs(float((picked == -2).float().mean()) - 2 / 3) < 0.03     # 4000 draws: std of the share 0.0075
+    same = L.pf_ppo_resample(scores, "pow", 2.0, torch.Generator().manual_seed(0))
+    assert torch.equal(drawn, same)                                      # the generator decides the draw
+
+
 # ------------------------------------------------------------------------------------------------ KL controllers
 
 def test_fixed_kl_controller():

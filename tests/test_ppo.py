@@ -262,3 +262,48 @@ def test_offloaded_workers_are_used_only_on_the_device_and_train_as_without_offl
     assert {"critic/vf_loss", "actor/kl_loss", "critic/score/mean"} <= set(plain[2])
     assert offloaded == plain
     assert resumed[2] == plain[2]
+
+
+SPREAD_REWARD = """def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(sum(map(ord, solution_str)) % 5 - 2), "length": len(solution_str)}
+"""
+
+
+def test_pf_ppo_trains_on_rows_drawn_from_the_batch_by_score(demo_dir, ppo_models, tmp_path):
+    """PF-PPO with max_min (verl: only the batch's highest- and lowest-scored responses can be drawn), 2 ranks, a
+    reward that spreads the scores. A run without PF-PPO generates the same step-1 batch (same weights and seeds),
+    so its dump is the batch PF-PPO drew from: the PF-PPO run's step-1 dump holds as many rows, each a row of that
+    batch with its extras, all with its max or min score, and its score metric is their mean. A resume from the
+    step-1 checkpoint draws step 2 alike."""
+    reward = tmp_path / "spread.py"
+    reward.write_text(SPREAD_REWARD)
+
+    def run(name, steps, *extra):
+        return torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+                        *base_overrides(demo_dir, tmp_path / name, steps), f"critic.model.path={ppo_models}/critic",
+                        f"custom_reward_function.path={reward}", "trainer.logger=[console]",
+                        f"trainer.rollout_data_dir={tmp_path / name / 'dump'}", *extra)
+
+    def dump(name, step):
+        return [json.loads(line) for line in (tmp_path / name / "dump" / f"{step}.jsonl").read_text().splitlines()]
+
+    pf_ppo = ("algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min")
+    run("plain", 1)
+    run("pf", 2, *pf_ppo, "trainer.save_freq=1")
+    step1 = tmp_path / "pf" / "checkpoints" / "global_step_1"
+    assert_resumed(run("resumed", 2, *pf_ppo, "trainer.resume_mode=resume_path",
+                       f"trainer.resume_from_path={step1}"), 1)
+
+    batch = {(row["input"], row["output"]): row for row in dump("plain", 1)}
+    scores = [row["score"] for row in batch.values()]
+    extremes = {max(scores), min(scores)}
+    assert len(extremes) == 2 and set(scores) - extremes, scores        # else every row could be drawn
+    drawn = dump("pf", 1)
+    assert len(drawn) == 8
+    for row in drawn:
+        assert row == batch[(row["input"], row["output"])]
+        assert row["score"] in extremes and row["length"] == len(row["output"])
+    metrics = metric_rows(tmp_path / "pf" / "metrics.jsonl")
+    resumed = metric_rows(tmp_path / "resumed" / "metrics.jsonl")
+    assert metrics[1]["critic/score/mean"] == pytest.approx(sum(row["score"] for row in drawn) / len(drawn))
+    assert resumed[2] == metrics[2] and dump("resumed", 2) == dump("pf", 2)
