@@ -32,6 +32,21 @@ def _data_parallel(cfg, world_size, sp_key="actor_rollout_ref.actor.ulysses_sequ
 REF_SP, CRITIC_SP = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"
 
 
+FSDP_SIZE_KEYS = ("actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.fsdp_size",
+                  "reward_model.model.fsdp_config.fsdp_size")
+
+
+def _check_fsdp_sizes(cfg, world_size):
+    """An fsdp_size under the (training) world size forms groups of that many ranks (models.fsdp_mesh): it must
+    divide the world size."""
+    for dotted in FSDP_SIZE_KEYS:
+        size = get_dotted(cfg, dotted)
+        if 0 < size < world_size and world_size % size:
+            raise ConfigError(f"'{dotted}'={size} does not divide the {world_size} training ranks: each model is "
+                              f"sharded over groups of fsdp_size ranks and replicated across the groups; choose a "
+                              f"divisor of {world_size}, or -1 to shard over all ranks")
+
+
 def check_batch(cfg, world_size):
     """Raise ConfigError where the step's batch arithmetic for `world_size` ranks does not divide. With split
     devices (rollout.n_gpus_per_node) `world_size` is all processes and the arithmetic is over the trainer ranks."""
@@ -46,6 +61,7 @@ def check_batch(cfg, world_size):
             raise ConfigError(f"'actor_rollout_ref.rollout.tensor_model_parallel_size'="
                               f"{rollout.tensor_model_parallel_size} does not divide the world size {world_size}")
         _check_nodes(cfg, world_size)
+    _check_fsdp_sizes(cfg, world_size)
     responses = data.train_batch_size * n
     if responses % world_size:
         raise ConfigError(f"data.train_batch_size * rollout.n = {data.train_batch_size}*{n} = {responses} responses "

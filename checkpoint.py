@@ -37,8 +37,8 @@ writes the manifest, renames the folder into place and only then updates latest_
 run killed mid-save leaves nothing that looks complete. resume_mode=auto takes the newest global_step_N whose files
 all match the manifest (size and checksum: a truncated, missing or flipped-byte file is caught), says which ones it
 skipped and why, and stops with an error when checkpoints exist but none is intact (resume_mode=disable starts
-over). Shards are tied to the world size: resuming with another number of ranks is refused (export to HF and start
-a new run from the export instead).
+over). Shards are tied to the world size and to the sharding groups (fsdp_size, models.fsdp_mesh): resuming with
+another number of ranks or another grouping is refused (export to HF and start a new run from the export instead).
 """
 from __future__ import annotations
 
@@ -116,11 +116,15 @@ def _local(tensor):
 
 
 def param_layout(model):
-    """{name: {"shape": global shape, "shard_dim": dim FSDP shards along, or None}} of the model's state dict."""
+    """{name: {"shape": global shape, "shard_dim": dim FSDP shards along, or None, "shard_ranks": how many ranks
+    hold the shards of one copy}} of the model's state dict. shard_ranks is the world size, or with HSDP
+    (fsdp_size, models.fsdp_mesh) the group size: ranks 0..shard_ranks-1 then hold one whole copy."""
     layout = {}
     for name, tensor in model.state_dict().items():
-        shard_dims = [p.dim for p in getattr(tensor, "placements", ()) if hasattr(p, "dim")]
-        layout[name] = {"shape": list(tensor.shape), "shard_dim": shard_dims[0] if shard_dims else None}
+        placements = getattr(tensor, "placements", ())
+        sharded = [(mesh_dim, p.dim) for mesh_dim, p in enumerate(placements) if hasattr(p, "dim")]
+        layout[name] = {"shape": list(tensor.shape), "shard_dim": sharded[0][1] if sharded else None,
+                        "shard_ranks": tensor.device_mesh.size(sharded[0][0]) if sharded else 1}
     return layout
 
 
@@ -417,7 +421,7 @@ def read_manifest(step_dir):
 
 def validate(step_dir, world_size, roles):
     """Check that `step_dir` is a complete global_step_N checkpoint that this run can load: same world size,
-    and for each role the same parameter names and shapes. `roles`: {name: param_layout(model)}.
+    and for each role the same parameter names and shapes, sharded over groups of as many ranks. `roles`: {name: param_layout(model)}.
     Returns the manifest."""
     step_dir = Path(step_dir)
     if not STEP_DIR.match(step_dir.name) or not step_dir.is_dir():
@@ -442,6 +446,13 @@ def validate(step_dir, world_size, roles):
                                   f"this run's: {_first_difference(saved, here)}{_lora_hint(saved, here)}. Resume "
                                   f"with the model it was trained from, or set trainer.resume_mode=disable (or "
                                   f"another trainer.default_local_dir) to start fresh")
+        saved_ranks = _shard_ranks(manifest["roles"][name]["params"], world_size)
+        if saved_ranks != _shard_ranks(layout, world_size):
+            raise CheckpointError(f"checkpoint '{step_dir}' shards its {name} model over groups of {saved_ranks} "
+                                  f"ranks and this run over {_shard_ranks(layout, world_size)} (fsdp_config."
+                                  f"fsdp_size): its shards only load with the same grouping. Resume with that "
+                                  f"fsdp_size ({saved_ranks} ranks, or -1 for all), or export it (python minirl.py "
+                                  f"--export {step_dir} OUT) and start a new run from OUT")
     return manifest
 
 
@@ -457,6 +468,12 @@ def _lora_hint(saved, here):
         return ""
     return (f" (the checkpoint was trained with actor_rollout_ref.model.lora_rank={saved_rank} and this run has "
             f"{this_rank}: set it to {saved_rank}, with the same target_modules)")
+
+
+def _shard_ranks(params, world_size):
+    """Over how many ranks a role's sharded tensors are spread (param_layout); checkpoints from before HSDP did not
+    record it: the world size."""
+    return max((p.get("shard_ranks", world_size) for p in params.values() if p["shard_dim"] is not None), default=1)
 
 
 def _first_difference(saved, here):
@@ -613,11 +630,13 @@ def write_hf_weights(state, folder, adapter_folder=None):
 
 
 def consolidate(step_dir, role="actor"):
-    """Full weights {name: tensor} of `role`, assembled from every rank's shard file (no processes needed)."""
+    """Full weights {name: tensor} of `role`, assembled from the shard files of the ranks that hold one copy (all
+    ranks; with HSDP the first group) (no processes needed)."""
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)
     world_size = manifest["world_size"]
-    shards = [_torch_load(step_dir / role / _shard_file("model", world_size, r)) for r in range(world_size)]
+    copy_ranks = _shard_ranks(manifest["roles"][role]["params"], world_size)   # ranks 0.. hold one whole copy
+    shards = [_torch_load(step_dir / role / _shard_file("model", world_size, r)) for r in range(copy_ranks)]
     full = {}
     for name, layout in manifest["roles"][role]["params"].items():
         dim = layout["shard_dim"]

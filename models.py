@@ -74,9 +74,23 @@ def decoder_layers(model):
     return list(layers) + vision.vision_blocks(model)
 
 
-def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True):
-    """FSDP2: fully_shard each decoder layer, then the root. Parameters stay fp32 (master weights); with
-    mixed_precision the forward/backward run in bf16 and gradients are reduced in fp32.
+def fsdp_mesh(device_type, fsdp_size):
+    """verl's create_device_mesh for fsdp_config.fsdp_size. -1 (or the world size or more): every rank holds a
+    shard of the one copy of the model (None: FSDP2's default mesh, all ranks). Otherwise HSDP: groups of fsdp_size
+    consecutive ranks each shard a copy, and the copies are replicated across the groups (a 2-D mesh (ddp, fsdp):
+    parameters are all-gathered and gradients reduce-scattered within a group, then all-reduced across groups), so
+    on several nodes the frequent gathers can stay inside a node. A collective: every rank builds it."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if fsdp_size < 0 or fsdp_size >= world:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True, mesh=None):
+    """FSDP2: fully_shard each decoder layer, then the root, over `mesh` (fsdp_mesh; None: all ranks). Parameters
+    stay fp32 (master weights); with mixed_precision the forward/backward run in bf16 and gradients are reduced in
+    fp32.
 
     reshard_after_forward (verl's fsdp_config key): true frees each layer's gathered parameters after its forward
     and gathers them again for backward (torch's default, which keeps the root's for the backward that follows);
@@ -91,8 +105,8 @@ def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True):
               else MixedPrecisionPolicy())
     reshard = None if reshard_after_forward else False          # None: torch's default, described above
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 
@@ -125,8 +139,8 @@ def full_state_dict_items(model, keep=None, bucket_bytes=0):
     bucket_bytes=0 gathers one tensor at a time (DTensor.full_tensor). Otherwise the FSDP shards of consecutive
     tensors travel in one all-gather per bucket of at most bucket_bytes full bytes (verl's
     rollout.update_weights_bucket_megabytes): the same tensors, far fewer collectives, at the price of one bucket
-    of gathered weights on the device at a time. Tensors not sharded on dim 0 over one mesh dimension are
-    gathered alone."""
+    of gathered weights on the device at a time (HSDP: within a rank's group, which holds every shard). Tensors
+    not sharded on dim 0 over one mesh dimension are gathered alone."""
     bucket, size = [], 0
     for name, tensor in model.state_dict().items():
         if keep is not None and not keep(name):
@@ -146,10 +160,11 @@ def full_state_dict_items(model, keep=None, bucket_bytes=0):
 
 
 def _row_sharded(tensor):
-    """A DTensor split by rows (FSDP's Shard(0)) over a one-dimensional mesh."""
-    from torch.distributed.tensor import DTensor, Shard
-    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() > 0
-            and tuple(tensor.placements) == (Shard(0),))
+    """A DTensor split by rows (FSDP's Shard(0)) over the last mesh dimension and replicated over any other (HSDP's
+    (Replicate(), Shard(0)))."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    return (isinstance(tensor, DTensor) and tensor.dim() > 0 and tensor.placements[-1] == Shard(0)
+            and all(p == Replicate() for p in tensor.placements[:-1]))
 
 
 def _same_shard_group(first, tensor):
@@ -164,7 +179,8 @@ def _gather_bucket(bucket):
     if not bucket:
         return
     mesh = bucket[0][1].device_mesh
-    ranks, me = mesh.size(), mesh.get_local_rank()
+    shard_dim = mesh.ndim - 1                          # the mesh dimension the rows are split over (_row_sharded)
+    ranks, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     parts, layout = [], []                 # layout: (name, dtype, full shape, bytes per rank)
     for name, tensor in bucket:
         shape = tuple(tensor.shape)
@@ -180,7 +196,7 @@ def _gather_bucket(bucket):
     received = sent.new_empty(ranks * sent.numel())                            # [ranks * bytes per rank]
     # all_gather_single: torch 2.13's name for all_gather_into_tensor (which now warns); older torch lacks it
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(received, sent, group=mesh.get_group())
+    gather(received, sent, group=mesh.get_group(shard_dim))
     received = received.view(ranks, sent.numel())
     offset = 0
     for name, dtype, shape, nbytes in layout:
@@ -250,12 +266,13 @@ class Worker:
 
     sp > 1 (Ulysses, ulysses.py; `sp_key` names its config key): each group of sp consecutive ranks works on the
     rows all its ranks brought (`group_rows`), each rank on a slice of every packed row; token budgets scale by
-    sp and global counts are summed over the dp group (each row once). FSDP still shards over all ranks."""
+    sp and global counts are summed over the dp group (each row once). FSDP still shards over all ranks (or over
+    groups of fsdp_size: fsdp_mesh)."""
 
     skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
 
     def __init__(self, model, device, use_remove_padding, fsdp_cfg, optim_cfg=None, total_steps=1, sp=1,
-                 sp_key=None):
+                 sp_key=None, fsdp_size=-1):
         self.device, self.use_remove_padding, self.sp = device, use_remove_padding, sp
         self.sp_group = self.dp_group = None
         self.shares_prompts = sp == 1 and shares_prompts(model, use_remove_padding)   # each prompt once per row
@@ -264,7 +281,8 @@ class Worker:
             ulysses.enable(unwrapped(model), sp, self.sp_group, sp_key)
         model.to(device)
         self.model = shard_fsdp2(model, mixed_precision=device.type != "cpu",
-                                 reshard_after_forward=fsdp_cfg.reshard_after_forward)
+                                 reshard_after_forward=fsdp_cfg.reshard_after_forward,
+                                 mesh=fsdp_mesh(device.type, fsdp_size))
         self.keep_gathered = not fsdp_cfg.reshard_after_forward
         # On CPU each gloo collective blocks its rank until the other ranks arrive (no communication stream runs
         # it beside the backward, as NCCL's and HCCL's do), so every reduce-scatter is a barrier where a rank the
@@ -457,7 +475,8 @@ class Policy(Worker):
         super().__init__(model, device, arr.model.use_remove_padding, arr[role].fsdp_config,
                          arr.actor.optim if trainable else None, total_steps,
                          sp=arr[role].ulysses_sequence_parallel_size,
-                         sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size")
+                         sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size",
+                         fsdp_size=arr.actor.fsdp_config.fsdp_size)     # verl's ref shares the actor's mesh
         self.cfg = cfg
         self.kernel = logprobs_and_entropy
         if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
@@ -571,7 +590,7 @@ class Critic(Worker):
         check_fits(model, tokenizer_len, "critic.model.path")
         super().__init__(model, device, critic.model.use_remove_padding, critic.model.fsdp_config, critic.optim,
                          total_steps, sp=critic.ulysses_sequence_parallel_size,
-                         sp_key="critic.ulysses_sequence_parallel_size")
+                         sp_key="critic.ulysses_sequence_parallel_size", fsdp_size=critic.model.fsdp_config.fsdp_size)
         self.cfg = critic
 
     def compute_values(self, batch, micro_size):
@@ -614,7 +633,8 @@ class RewardModel(Worker):
         self.retokenize = (self.tokenizer.get_vocab() != actor_tokenizer.get_vocab()
                            or self.tokenizer.chat_template != actor_tokenizer.chat_template)
         check_fits(model, len(self.tokenizer if self.retokenize else actor_tokenizer), "reward_model.model.path")
-        super().__init__(model, device, rm.model.use_remove_padding, rm.model.fsdp_config)
+        super().__init__(model, device, rm.model.use_remove_padding, rm.model.fsdp_config,
+                         fsdp_size=rm.model.fsdp_config.fsdp_size)
         self.cfg, self.actor_tokenizer = rm, actor_tokenizer
 
     def rm_inputs(self, batch):

@@ -425,6 +425,18 @@ def test_verl_keys_without_effect_are_named_in_a_warning(paths):
         "the tokens trained are those the model read while generating (earlier turns are never re-templated)"]
 
 
+def test_fsdp_size_groups_must_divide_the_training_ranks(paths):
+    key = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
+    cfg = load_config(write(paths, minimal(paths)), [f"{key}=2"], world_size=4)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == 2
+    assert settings_without_effect(cfg) == []                          # read (models.fsdp_mesh), no warning
+    load_config(write(paths, minimal(paths)), [f"{key}=8"], world_size=4)     # >= the world: all ranks, as verl
+    for dotted in (key, "critic.model.fsdp_config.fsdp_size", "reward_model.model.fsdp_config.fsdp_size"):
+        with pytest.raises(ConfigError, match=rf"'{dotted}'=3 does not divide the 4 training ranks: .* choose a "
+                                              r"divisor of 4, or -1 to shard over all ranks"):
+            load_config(write(paths, minimal(paths)), [f"{dotted}=3"], world_size=4)
+
+
 def test_nodes_must_multiply_to_the_world_size(paths):
     cfg = load_config(write(paths, minimal(paths)), ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], world_size=2)
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+import checkpoint
 import losses
 from demo import build_tiny_model
 from conftest import OFFLOAD_SWITCHES
@@ -307,3 +308,53 @@ def test_pf_ppo_trains_on_rows_drawn_from_the_batch_by_score(demo_dir, ppo_model
     resumed = metric_rows(tmp_path / "resumed" / "metrics.jsonl")
     assert metrics[1]["critic/score/mean"] == pytest.approx(sum(row["score"] for row in drawn) / len(drawn))
     assert resumed[2] == metrics[2] and dump("resumed", 2) == dump("pf", 2)
+
+
+HSDP = [f"{key}=2" for key in ("actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.fsdp_size",
+                               "reward_model.model.fsdp_config.fsdp_size")]
+
+
+def test_hsdp_groups_train_as_one_sharded_copy_and_resume(demo_dir, ppo_models, tmp_path):
+    """verl's fsdp_size=2 on 4 ranks (HSDP: each pair of ranks shards a copy of the model, the pairs replicate it)
+    for the actor (and the reference, which shares its mesh, as verl's), the critic and the reward model, with
+    vLLM: the metrics equal those of sharding over all 4 ranks (fp32 rounding), vLLM generates with the actor's
+    weights (the per-step check), each rank's checkpoint shard holds half of a model, the checkpoint exports the
+    same weights, a resume from step 1 gives step 2 again, and resuming with another fsdp_size is refused."""
+    common = [*base_overrides(demo_dir, tmp_path, 2), "data.train_batch_size=8",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+              f"critic.model.path={ppo_models}/critic", "reward_model.enable=true",
+              f"reward_model.model.path={ppo_models}/rm", "reward_model.micro_batch_size_per_gpu=2",
+              "actor_rollout_ref.actor.use_kl_loss=true", "trainer.logger=[console]", "trainer.save_freq=1",
+              "actor_rollout_ref.rollout.name=vllm"]
+
+    def run(name, *extra, expect_ok=True):
+        return torchrun(4, "minirl.py", "--config", ROOT / "config.yaml", *common,
+                        f"af_output_dir={tmp_path / name}", *extra, expect_ok=expect_ok)
+
+    run("full")
+    run("hsdp", *HSDP)
+    step1 = tmp_path / "hsdp" / "checkpoints" / "global_step_1"
+    assert_resumed(run("resumed", *HSDP, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"), 1)
+    full, hsdp, resumed = (metric_rows(tmp_path / name / "metrics.jsonl") for name in ("full", "hsdp", "resumed"))
+    assert {"critic/vf_loss", "actor/kl_loss", "training/rollout_probs_diff_max"} <= set(hsdp[2])
+    for step in (1, 2):
+        assert hsdp[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6)
+        assert hsdp[step]["training/rollout_probs_diff_max"] < 1e-4
+    assert resumed[2] == hsdp[2]
+
+    step2 = {name: tmp_path / name / "checkpoints" / "global_step_2" for name in ("full", "hsdp")}
+    for role in ("actor", "critic"):
+        weights = {name: checkpoint.consolidate(folder, role) for name, folder in step2.items()}
+        assert weights["hsdp"].keys() == weights["full"].keys()
+        for key, tensor in weights["full"].items():
+            torch.testing.assert_close(weights["hsdp"][key], tensor, rtol=1e-5, atol=1e-6)
+        shards = [torch.load(step2["hsdp"] / role / f"model_world_size_4_rank_{rank}.pt", weights_only=True)
+                  for rank in range(4)]
+        whole = sum(t.numel() for t in weights["full"].values())
+        assert sum(t.numel() for shard in shards[:2] for t in shard.values()) == whole      # ranks 0, 1: one copy
+        for rank in (0, 1):                                                                 # ranks 2, 3: its replica
+            assert all(torch.equal(shards[rank][key], shards[rank + 2][key]) for key in shards[rank])
+
+    other = run("regrouped", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}", expect_ok=False)
+    assert other.returncode != 0
+    assert "shards its actor model over groups of 2 ranks and this run over 4 (fsdp_config.fsdp_size)" in other.stderr
