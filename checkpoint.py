@@ -421,8 +421,8 @@ def read_manifest(step_dir):
 
 def validate(step_dir, world_size, roles):
     """Check that `step_dir` is a complete global_step_N checkpoint that this run can load: same world size,
-    and for each role the same parameter names and shapes, sharded over groups of as many ranks. `roles`: {name: param_layout(model)}.
-    Returns the manifest."""
+    and for each role the same parameter names and shapes, sharded over groups of as many ranks. `roles`:
+    {name: param_layout(model)}. Returns the manifest."""
     step_dir = Path(step_dir)
     if not STEP_DIR.match(step_dir.name) or not step_dir.is_dir():
         state = "does not exist" if not step_dir.exists() else "is not a checkpoint folder"

@@ -209,7 +209,6 @@ LOGGERS = ("console", "tensorboard", "wandb")
 # The refusals, in one place: keys that load (so verl configs work) but whose other values ask for something
 # minirl does not implement. Setting one away from its default is an error naming the feature.
 NOT_YET = {
-    "critic.model.lora_rank": (0, "LoRA on the critic (minirl fine-tunes the critic fully)"),
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
     # verl features minirl does not have
     "data.sampler.class_path": (None, "a custom (curriculum) sampler"),

@@ -55,6 +55,7 @@ import checkpoint
 import failures
 import flops
 import interactions
+import lora
 import losses
 import offpolicy
 import ulysses
@@ -166,6 +167,7 @@ class Trainer:
             if use_agent:                  # and its agent_name is an agent loop minirl runs
                 agent.check_agent_names(rows, "data file")
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
+        lora.check_models(cfg)                        # LoRA targets that match no layer: likewise
         check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.run_lock = claim_output_folder(cfg.af_output_dir) if self.rank == 0 else None   # one run per folder

@@ -270,6 +270,7 @@ class Worker:
     groups of fsdp_size: fsdp_mesh)."""
 
     skipped_steps = 0            # optimizer steps skipped for a non-finite loss or gradient norm (checkpointed)
+    lora = False                 # LoRA adapters on a frozen base (lora.py): a checkpoint then keeps the adapter too
 
     def __init__(self, model, device, use_remove_padding, fsdp_cfg, optim_cfg=None, total_steps=1, sp=1,
                  sp_key=None, fsdp_size=-1):
@@ -447,6 +448,16 @@ class Worker:
             self.skipped_steps += 1
         return norm
 
+    def full_weights(self, keep=None):
+        """(name, full tensor) of the model's state dict (those `keep` accepts), one tensor gathered at a time. A
+        collective."""
+        with self.on_device():
+            yield from full_state_dict_items(self.model, keep)
+
+    def adapter(self):
+        """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
+        return lora.adapter_from_full_state(self.model, dict(self.full_weights(lora.is_adapter_name)))
+
     def checkpoint_counters(self):
         """What a checkpoint keeps besides the model, optimizer and LR scheduler (checkpoint.py)."""
         return {"skipped_steps": self.skipped_steps}
@@ -462,8 +473,6 @@ class Policy(Worker):
     def __init__(self, cfg, device, trainable, total_steps=1):
         arr = cfg.actor_rollout_ref
         self.lora = trainable and lora.enabled(arr.model)
-        if self.lora:
-            lora.check_target_modules(arr.model)             # before loading any weights
         model = load_model(arr.model.path, override_config=arr.model.override_config,
                            trust_remote_code=arr.model.trust_remote_code,
                            gradient_checkpointing=trainable and arr.model.enable_gradient_checkpointing,
@@ -495,10 +504,6 @@ class Policy(Worker):
         bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
         with self.on_device():           # offloaded: back in host memory once the last tensor is taken
             yield from full_state_dict_items(self.model, keep, bucket_bytes)
-
-    def adapter(self):
-        """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
-        return lora.adapter_from_full_state(self.model, dict(self.full_weights(lora.is_adapter_name)))
 
     def base_weights(self):
         """(Hugging Face name, full tensor) of the frozen base model under the LoRA wrapper: adapter tensors
@@ -578,16 +583,29 @@ class AdapterDisabled:
             return self.actor.compute_log_prob(*args, **kwargs)
 
 
+def value_head_name(model):
+    """The module name of a critic's one-output head: a token-classification model's `score` (or `classifier`), a
+    vision-language critic's swapped-in output layer (vision.with_value_head)."""
+    head = (model.get_output_embeddings() if vision.is_vision_language(model.config)
+            else getattr(model, "score", None) or getattr(model, "classifier"))
+    return next(name for name, module in model.named_modules() if module is head)
+
+
 class Critic(Worker):
-    """The PPO critic: a token-level value model (one-output head on the backbone), trained on the value loss."""
+    """The PPO critic: a token-level value model (one-output head on the backbone), trained on the value loss;
+    with critic.model.lora_rank > 0, LoRA adapters on the backbone and the head train (lora.py)."""
 
     def __init__(self, cfg, device, total_steps, tokenizer_len):
         critic = cfg.critic
+        self.lora = lora.enabled(critic.model)
         model = load_model(critic.model.path, kind="token_cls", override_config=critic.model.override_config,
                            trust_remote_code=critic.model.trust_remote_code,
                            gradient_checkpointing=critic.model.enable_gradient_checkpointing,
                            attn_implementation=attention_backend(device.type, critic.model.use_remove_padding))
         check_fits(model, tokenizer_len, "critic.model.path")
+        if self.lora:           # adapters on the backbone; the value head trains whole (lora.py)
+            model = lora.wrap(model, critic.model, value_head=value_head_name(model))
+            lora.log_parameter_counts(model, critic.model, role="critic")
         super().__init__(model, device, critic.model.use_remove_padding, critic.model.fsdp_config, critic.optim,
                          total_steps, sp=critic.ulysses_sequence_parallel_size,
                          sp_key="critic.ulysses_sequence_parallel_size", fsdp_size=critic.model.fsdp_config.fsdp_size)

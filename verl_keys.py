@@ -204,7 +204,8 @@ NO_EFFECT = {
     "reward_model.model.fsdp_config.": "FSDP2 shards every decoder layer and the root",
     "reward_model.model.fsdp_config.reshard_after_forward": None,
     # read: models.fsdp_mesh (HSDP over groups of fsdp_size ranks)
-    **{f"{role}.fsdp_config.fsdp_size": None for role in ("actor_rollout_ref.actor", "critic.model", "reward_model.model")},
+    **{f"{role}.fsdp_config.fsdp_size": None
+       for role in ("actor_rollout_ref.actor", "critic.model", "reward_model.model")},
     # read: models.Worker offloads between phases (verl's manual offload); FSDP2's own CPUOffloadPolicy is not used
     **{f"{role}.fsdp_config.param_offload": None
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model")},

@@ -207,7 +207,9 @@ def test_grpo_with_lora_on_vllm_from_the_merged_export(exports, demo_dir, tmp_pa
      r"'actor_rollout_ref.model.lora_alpha'=0 is out of range: valid is \(0, inf\)"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=vllm",
       "actor_rollout_ref.rollout.load_format=auto"], r"load_format'='auto' with LoRA: use 'safetensors'"),
-    (["critic.model.lora_rank=8"], r"'critic.model.lora_rank' enables LoRA on the critic"),
+    (["critic.model.lora_rank=-1"], r"'critic.model.lora_rank'=-1 is out of range: valid is \[0, inf\)"),
+    (["critic.model.lora_rank=8", "critic.model.lora_alpha=0"],
+     r"'critic.model.lora_alpha'=0 is out of range: valid is \(0, inf\)"),
 ])
 def test_bad_lora_settings_are_refused(paths, overrides, pattern):  # noqa: F811
     with pytest.raises(ConfigError, match=pattern):
@@ -244,6 +246,15 @@ def test_a_misspelt_all_linear_is_named(tiny_model_dir):
                              "actor_rollout_ref.model.target_modules=all_linear"], check_paths=False)
     with pytest.raises(ConfigError, match=r"'all_linear' .* matches no layer of .*: did you mean 'all-linear'\?"):
         lora.check_target_modules(cfg.actor_rollout_ref.model)
+
+
+def test_a_critic_target_that_matches_nothing_names_the_critics_key(tiny_model_dir):
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_files=unused",
+                             f"critic.model.path={tiny_model_dir}", "critic.model.lora_rank=8",
+                             "critic.model.target_modules=[qproj]"], check_paths=False)
+    with pytest.raises(ConfigError, match=r"'critic.model.target_modules'=\['qproj'\] \(exclude_modules=None\) "
+                                          r"matches no layer"):
+        lora.check_target_modules(cfg.critic.model, "critic.model")
 
 
 def test_verl_lora_example_passes_print_config(paths):  # noqa: F811

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 import checkpoint
 import losses
@@ -358,3 +358,49 @@ def test_hsdp_groups_train_as_one_sharded_copy_and_resume(demo_dir, ppo_models, 
     other = run("regrouped", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}", expect_ok=False)
     assert other.returncode != 0
     assert "shards its actor model over groups of 2 ranks and this run over 4 (fsdp_config.fsdp_size)" in other.stderr
+
+
+def test_critic_lora_trains_its_adapters_and_value_head_and_exports_and_resumes(demo_dir, ppo_models, tmp_path):
+    """critic.model.lora_rank=4, 2 ranks, 2 PPO steps: the critic's base weights stay those of critic.model.path,
+    its adapters and its value head train, the checkpoint's adapter folder (peft's format) holds the trained head,
+    the hf_model export (adapter merged in) gives the values of the unmerged peft model built from the base and
+    that folder, and a resume from step 1 gives step 2 again."""
+    common = [*base_overrides(demo_dir, tmp_path, 2), f"critic.model.path={ppo_models}/critic",
+              "critic.model.lora_rank=4", "trainer.logger=[console]", "trainer.save_freq=1",
+              "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+    run = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *common, f"af_output_dir={tmp_path / 'run'}")
+    assert "critic LoRA rank 4, alpha 16, target_modules all-linear" in run.stdout + run.stderr
+    step1 = tmp_path / "run" / "checkpoints" / "global_step_1"
+    assert_resumed(torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *common,
+                            f"af_output_dir={tmp_path / 'resumed'}", "trainer.resume_mode=resume_path",
+                            f"trainer.resume_from_path={step1}"), 1)
+    straight, resumed = (metric_rows(tmp_path / name / "metrics.jsonl") for name in ("run", "resumed"))
+    assert "critic/vf_loss" in straight[2] and resumed[2] == straight[2]
+
+    folder = tmp_path / "run" / "checkpoints" / "global_step_2" / "critic"
+    trained = checkpoint.consolidate(folder.parent, "critic")
+    base = AutoModelForTokenClassification.from_pretrained(ppo_models / "critic").state_dict()
+    prefix = "base_model.model."
+    for name, tensor in base.items():                          # frozen: the base as it was loaded
+        module, leaf = name.rsplit(".", 1)           # peft keeps a wrapped layer's own weights under a sub-module
+        inner = "original_module" if module == "score" else "base_layer" if module.endswith("_proj") else None
+        key = prefix + (f"{module}.{inner}.{leaf}" if inner else name)
+        assert torch.equal(trained[key], tensor), key
+    lora_b = [key for key in trained if ".lora_B." in key]
+    assert len(lora_b) == 14 and all(trained[key].abs().sum() > 0 for key in lora_b)     # B starts at zero
+    head = trained[prefix + "score.modules_to_save.default.weight"]
+    assert not torch.equal(head, base["score.weight"])                                 # the head trained
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(folder / "lora_adapter" / "adapter_model.safetensors")[prefix + "score.weight"],
+                       head)
+    peft_critic = PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(ppo_models / "critic"),
+                                            folder / "lora_adapter").eval()
+    merged = AutoModelForTokenClassification.from_pretrained(folder / "huggingface").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft_critic(input_ids=ids).logits, rtol=1e-4,
+                                   atol=1e-5)
+        plain = AutoModelForTokenClassification.from_pretrained(ppo_models / "critic").eval()
+        assert not torch.allclose(plain(input_ids=ids).logits, merged(input_ids=ids).logits)

@@ -133,6 +133,25 @@ def ppo_vl(tiny_vl_dir, vl_data, out, steps, *extra):
              "critic.optim.lr=1e-3", "actor_rollout_ref.actor.optim.lr=1e-3", *extra)
 
 
+def test_a_lora_vl_critic_trains_the_adapters_of_both_towers_and_its_value_head(tiny_vl_dir, vl_data, tmp_path):
+    """critic.model.lora_rank=4 on the tiny VL critic (vision.with_value_head): the base stays frozen, the adapters
+    of the language and vision towers train, and so does the swapped-in value head (kept whole beside the
+    adapters; its bias starts at zero)."""
+    from models import load_model
+    out = tmp_path / "lora_critic"
+    ppo_vl(tiny_vl_dir, vl_data, out, 2, "trainer.save_freq=2", "critic.model.lora_rank=4")
+    start = load_model(tiny_vl_dir, kind="token_cls").state_dict()
+    trained = checkpoint.consolidate(out / "checkpoints" / "global_step_2", role="critic")
+    prefix = "base_model.model."
+    assert float(trained[prefix + "lm_head.original_module.bias"].abs().max()) == 0         # the head as built
+    assert float(trained[prefix + "lm_head.modules_to_save.default.bias"].abs().max()) > 1e-5    # and as trained
+    lora_b = [name for name in trained if ".lora_B." in name]
+    assert any(".visual." in name for name in lora_b) and all(trained[n].abs().max() > 0 for n in lora_b)
+    frozen = [name for name in trained if ".base_layer." in name and ".visual." in name]
+    assert frozen and all(torch.equal(trained[n], start[n.replace(prefix, "").replace(".base_layer.", ".")])
+                          for n in frozen)
+
+
 def test_ppo_with_a_vl_critic_trains_both_towers_of_the_critic_and_resumes_exactly(tiny_vl_dir, vl_data, tmp_path):
     """PPO (GAE) with the tiny VL model as actor and as critic (vision.with_value_head): the critic's metrics are
     logged and its vision tower and value head are trained (verl trains the critic in full); a run resumed from
