@@ -19,7 +19,9 @@ training/rollout_probs_diff_* (vLLM) reports that gap. Validation and checkpoint
 flight, so a checkpoint holds it and a resumed run continues with exactly the batch the uninterrupted run had.
 
 Prompts with images travel with their images (vision.rollout_inputs: PIL images for vLLM's processor, the
-processor's pixel inputs for the hf engine), and the weights with the vision tower's.
+processor's pixel inputs for the hf engine), and the weights with the vision tower's. With LoRA only the adapter
+travels at each sync (peft's format, lora.Adapter), and the frozen base once, with the first request, when the
+rollout engine started without it (vLLM's load_format dummy*): the rollout side says so when it starts.
 
 Left out: a critic (GAE), ReMax (greedy baselines need a second generation), multi-node pools, and releasing the
 trainer while the last batch of a run is generated (the final step launches nothing).
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import failures
+import lora
 import vision
 from batch import batch_size_of, repeat_interleave
 from rollout import Sampling, build_rollout, folder_eos_token_ids, pad_logprobs, responses_to_batch
@@ -187,6 +190,20 @@ def weight_layout(model):
     return [(name, tuple(t.shape), t.dtype) for name, t in model.state_dict().items()]
 
 
+def sync_layout(actor):
+    """What the weight syncs send, for both sides: {"weights": the layout every sync sends, "lora_config": None,
+    or with LoRA the adapter's LoraConfig; then "weights" is the adapter's tensors (peft's names) and "base" the
+    frozen base's (Hugging Face names), sent once when the engine needs it}."""
+    if not actor.lora:
+        return {"weights": weight_layout(actor.model), "lora_config": None}
+    sharded = {name: t for name, t in actor.model.state_dict().items() if lora.is_adapter_name(name)}
+    adapter = lora.adapter_from_full_state(actor.model, sharded)         # names and global shapes, no gather
+    base = [(lora.base_weight_name(name), tuple(t.shape), t.dtype) for name, t in actor.model.state_dict().items()
+            if not lora.is_adapter_name(name)]
+    return {"weights": [(name, tuple(t.shape), t.dtype) for name, t in adapter.state.items()],
+            "lora_config": adapter.config, "base": base}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The rollout ranks
 
@@ -212,12 +229,23 @@ class RolloutServer:
                                                   trust_remote_code=model.trust_remote_code)
         self.rollout = build_rollout(cfg, tokenizer, device)
         self.layout = self.bridge.broadcast_object(None, src=0)
+        self.bridge.broadcast_object(not self.rollout.base_loaded, src=1)     # LoRA: whether to send the base
+
+    def sync_weights(self):
+        """Receive one sync (the order Pipeline._send sends it in) into the engine."""
+        weights = receive_weights(self.bridge, self.layout["weights"])
+        if self.layout["lora_config"] is None:
+            self.rollout.sync_weights(weights)
+            return
+        adapter = lora.Adapter(dict(weights), self.layout["lora_config"])
+        base = () if self.rollout.base_loaded else receive_weights(self.bridge, self.layout["base"])
+        self.rollout.sync_weights(base, adapter=adapter)
 
     def fit(self):
         tp = self.rollout.tp_size
         groups = self.world_size // tp
         while (request := self.bridge.broadcast_object(None, src=0)) is not None:
-            self.rollout.sync_weights(receive_weights(self.bridge, self.layout))
+            self.sync_weights()
             share = np.array_split(np.arange(len(request["prompts"])), groups)[self.local_rank // tp]
             seed = request["seeds"][self.local_rank // tp]
             images = {"multi_modal": [request["multi_modal"][i] for i in share]} if request["multi_modal"] else {}
@@ -260,9 +288,14 @@ class Pipeline:
         self.ready = None              # (generated batch, its data epoch), taken early (validation, checkpoint)
         self.epoch = trainer.loader.epoch    # the data epoch of the batch trained now (training/epoch)
         self.prompts = (prompts for _ in itertools.count() for prompts in trainer.loader)   # across epochs
-        layout = weight_layout(trainer.actor.model)
+        layout = sync_layout(trainer.actor)
+        needs_base = [None]                 # LoRA: whether the rollout engine waits for the base weights
         if bridge is not None:
             bridge.broadcast_object(layout, src=0)
+            needs_base = [bridge.broadcast_object(None, src=1)]
+        if trainer.world_size > 1:          # every trainer rank takes part in gathering the base
+            dist.broadcast_object_list(needs_base, src=0)
+        self.send_base = trainer.actor.lora and needs_base[0]
 
     # -- one request: weights, then prompts; and the answer ---------------------------------------------------
     def _send(self, batch, sampling, step, purpose):
@@ -271,7 +304,14 @@ class Pipeline:
                    "multi_modal": vision.rollout_inputs(batch, range(batch_size_of(batch)))}    # None: no images
         if self.bridge is not None:
             self.bridge.broadcast_object(request, src=0)
-        send_weights(self.bridge, self.trainer.actor.full_weights())
+        actor = self.trainer.actor
+        if not actor.lora:
+            send_weights(self.bridge, actor.full_weights())
+            return
+        send_weights(self.bridge, actor.adapter().state.items())     # first: the engine takes it with the base
+        if self.send_base:
+            send_weights(self.bridge, actor.base_weights())
+            self.send_base = False
 
     def _receive(self, batch, max_tokens):
         """The answer to the last request, on every trainer rank, as a full rollout batch."""

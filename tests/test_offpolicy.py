@@ -166,6 +166,47 @@ def test_vllm_tensor_parallel_inside_the_rollout_ranks(demo_dir, data_file, tmp_
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# LoRA: the adapter over the bridge
+
+
+def lora_logprobs_under(model_dir, weights, batch):
+    """logprobs_under for a LoRA actor: `weights` are a peft model's (base + adapter, peft's names)."""
+    from peft import LoraConfig, get_peft_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear"))
+    model.load_state_dict(weights, strict=True)
+    responses = [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])]
+    with torch.no_grad():
+        return sampled_logprobs(model.eval(), batch["raw_prompt_ids"], responses, 1.0)
+
+
+def test_lora_on_split_devices_samples_with_the_adapter_one_update_behind(demo_dir, data_file, tmp_path):
+    """LoRA, 1 + 1 with the hf engine: the adapter goes over the bridge at each sync, and the rollout rank samples
+    with the one the trainer held a step earlier (the samples' log-probs match a peft model with that adapter, and
+    not with the one the trainer holds). Then vLLM started without weights (load_format=dummy): the base goes
+    with the first request, so step 1 is on-policy, and step 2 trains one update behind."""
+    out, lora_keys = tmp_path / "hf", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.optim.lr=5e-2"]
+    torchrun(2, "tests/offpolicy_probe.py", "record", out / "record.pt",
+             *overrides(demo_dir, data_file, out, *SPLIT_1_1, *lora_keys), timeout=400)
+    steps = torch.load(out / "record.pt", weights_only=False)["steps"]
+    for k, entry in enumerate(steps, start=1):
+        batch, sampler = entry["batch"], steps[max(k - 2, 0)]["weights"]
+        gap = largest_gap(batch["rollout_log_probs"], batch, lora_logprobs_under(demo_dir / "model", sampler, batch))
+        assert gap < 1e-4, (k, gap)
+        if k >= 2:
+            held = entry["weights"]
+            assert any(not torch.equal(held[n], sampler[n]) for n in held if ".lora_" in n)
+            assert largest_gap(batch["rollout_log_probs"], batch,
+                               lora_logprobs_under(demo_dir / "model", held, batch)) > 1e-3
+    out = tmp_path / "vllm"
+    torchrun(2, "minirl.py", "--config", ROOT / "config.yaml",
+             *overrides(demo_dir, data_file, out, *SPLIT_1_1, *lora_keys, "actor_rollout_ref.rollout.name=vllm",
+                        "actor_rollout_ref.rollout.load_format=dummy", steps=2), timeout=500)
+    rows = rows_of(out)
+    assert rows[0]["training/rollout_probs_diff_max"] < 1e-4 < rows[1]["training/rollout_probs_diff_max"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Kill + resume
 
 
