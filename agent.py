@@ -47,14 +47,15 @@ import numpy as np
 import torch
 
 from batch import gather_tp_groups
-from config import ConfigError
-from interactions import interaction_kwargs, interaction_name
-from tools import parse_hermes, truncate_tool_text
+from config import ConfigError, multi_turn_on
+from interactions import interaction_kwargs, interaction_name, load_interactions
+from tools import load_tools, parse_hermes, truncate_tool_text
 
 MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
 # verl's agent loops that a row's `agent_name` column picks; a row without one gets the tool loop (verl's SGLang
 # rollout runs every row multi-turn; verl's async agent loop would give it single_turn_agent)
 AGENT_NAMES = ("tool_agent", "single_turn_agent")
+ROW_COLUMNS = ("raw_prompt", "extra_info", "agent_name")    # what AgentLoop.run reads of a row besides its ids
 
 
 @dataclass
@@ -363,6 +364,25 @@ class AgentLoop:
                 warnings.warn("multi-turn tokenization: the trained token ids differ from a re-templating of the "
                               "conversation (counted in multi_turn/tokenization_mismatch); the sampled ids are "
                               "trained as they are", stacklevel=2)
+
+
+def load_plugins(cfg):
+    """(tools, interactions) of the run's multi-turn yamls: {name: tool}, {name: interaction}; {} for a yaml not
+    set, both {} when multi-turn is off."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    on = multi_turn_on(cfg)
+    return (load_tools(multi_turn.tool_config_path) if on and multi_turn.tool_config_path else {},
+            load_interactions(multi_turn.interaction_config_path) if on and multi_turn.interaction_config_path
+            else {})
+
+
+def loop_for(cfg, tokenizer, engine, rank, tools, interactions):
+    """The run's AgentLoop over `engine` (its TP size and EOS ids) on rank `rank` (of the engine's world), with
+    the loaded tool and interaction yamls."""
+    arr = cfg.actor_rollout_ref
+    return AgentLoop(tokenizer, tools, arr.rollout.multi_turn, arr.rollout.response_length,
+                     scheduling_mode(arr.rollout.mode, engine.tp_size, rank), engine.eos_ids,
+                     arr.model.custom_chat_template, interactions)
 
 
 def scheduling_mode(mode, tp_size, rank=0):

@@ -168,9 +168,6 @@ def check_split_keys(cfg):
             raise ConfigError("'actor_rollout_ref.hybrid_engine'=false asks for one-step-off-policy on split "
                               "devices: set 'rollout.n_gpus_per_node' to the number of rollout ranks")
         return
-    if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        raise ConfigError("'actor_rollout_ref.rollout.multi_turn.enable'=true is not supported on split devices yet: "
-                          "the rollout ranks generate single turns; unset 'rollout.n_gpus_per_node' (colocated)")
     if cfg.algorithm.adv_estimator not in SPLIT_ESTIMATORS:
         raise ConfigError(f"'algorithm.adv_estimator'={cfg.algorithm.adv_estimator} is not supported on split "
                           f"devices (one-step-off-policy supports {', '.join(SPLIT_ESTIMATORS)}); choose one of "

@@ -73,7 +73,6 @@ from runtime import (check_output_folders, claim_output_folder, init_distributed
                      sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from to_verl import to_verl
-from tools import load_tools
 from tracking import Tracker, data_metrics, pick_validation_generations, plot, timing_metrics, validation_metrics
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,11 +129,8 @@ class Trainer:
                                                        trust_remote_code=arr.model.trust_remote_code)
         # a vision-language checkpoint comes with its processor (images -> pixel inputs); None for a text model
         self.processor = processor = vision.load_processor(arr.model.path, arr.model.trust_remote_code)
-        multi_turn = arr.rollout.multi_turn
         use_agent = multi_turn_on(cfg)
-        self.tools = load_tools(multi_turn.tool_config_path) if use_agent and multi_turn.tool_config_path else {}
-        self.interactions = interactions.load_interactions(multi_turn.interaction_config_path) \
-            if use_agent and multi_turn.interaction_config_path else {}
+        self.tools, self.interactions = agent.load_plugins(cfg)
         dataset_kwargs = dict(max_prompt_length=data.max_prompt_length, truncation=data.truncation,
                               filter_overlong_prompts=data.filter_overlong_prompts, prompt_key=data.prompt_key,
                               image_key=data.image_key, video_key=data.video_key, processor=processor,
@@ -184,10 +180,9 @@ class Trainer:
         # split devices: the rollout ranks generate, one step ahead; the pipeline stands in for the engine here
         self.pipeline = offpolicy.Pipeline(self, bridge, self.seed_of) if offpolicy.rollout_ranks(cfg) else None
         self.rollout = self.pipeline or build_rollout(cfg, self.tokenizer, self.device)
-        self.agent = agent.AgentLoop(self.tokenizer, self.tools, multi_turn, arr.rollout.response_length,
-                                     agent.scheduling_mode(arr.rollout.mode, self.rollout.tp_size, self.rank),
-                                     self.rollout.eos_ids, arr.model.custom_chat_template,
-                                     self.interactions) if use_agent else None
+        # multi-turn: the agent loop runs beside the engine (on split devices, on the rollout ranks)
+        self.agent = agent.loop_for(cfg, self.tokenizer, self.rollout, self.rank, self.tools, self.interactions) \
+            if use_agent and self.pipeline is None else None
         self.peak_flops = flops.peak_flops(flops.device_name(self.device))    # None on CPU: no perf/mfu/actor
         # what checkpoints hold; resuming restores it all, RNG states included
         self.roles = {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
@@ -375,7 +370,7 @@ class Trainer:
                                                           self.world_size)
 
         metrics.update(data_metrics(batch, arr.rollout.response_length))
-        if self.agent is not None:
+        if "num_turns" in batch:             # multi-turn conversations
             metrics.update(agent.multi_turn_metrics(batch))
         metrics.update(timing_metrics(timings, batch, self.world_size))
         if cfg.trainer.rollout_data_dir:

@@ -22,6 +22,8 @@ Prompts with images travel with their images (vision.rollout_inputs: PIL images 
 processor's pixel inputs for the hf engine), and the weights with the vision tower's. With LoRA only the adapter
 travels at each sync (peft's format, lora.Adapter), and the frozen base once, with the first request, when the
 rollout engine started without it (vLLM's load_format dummy*): the rollout side says so when it starts.
+Multi-turn conversations run on the rollout ranks too (agent.AgentLoop with its tools and interactions): the
+request carries the rows' messages, the answer the finished conversations.
 
 Left out: a critic (GAE), ReMax (greedy baselines need a second generation), multi-node pools, and releasing the
 trainer while the last batch of a run is generated (the final step launches nothing).
@@ -29,6 +31,7 @@ trainer while the last batch of a run is generated (the final step launches noth
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import itertools
 import os
@@ -41,10 +44,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import agent
 import failures
 import lora
 import vision
 from batch import batch_size_of, repeat_interleave
+from config import multi_turn_on
 from rollout import Sampling, build_rollout, folder_eos_token_ids, pad_logprobs, responses_to_batch
 from runtime import share_cpu
 
@@ -228,6 +233,9 @@ class RolloutServer:
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or model.path,
                                                   trust_remote_code=model.trust_remote_code)
         self.rollout = build_rollout(cfg, tokenizer, device)
+        # multi-turn: the conversations run here, beside the engine (tools and interactions too)
+        self.agent = agent.loop_for(cfg, tokenizer, self.rollout, self.local_rank, *agent.load_plugins(cfg)) \
+            if multi_turn_on(cfg) else None
         self.layout = self.bridge.broadcast_object(None, src=0)
         self.bridge.broadcast_object(not self.rollout.base_loaded, src=1)     # LoRA: whether to send the base
 
@@ -248,18 +256,37 @@ class RolloutServer:
             self.sync_weights()
             share = np.array_split(np.arange(len(request["prompts"])), groups)[self.local_rank // tp]
             seed = request["seeds"][self.local_rank // tp]
-            images = {"multi_modal": [request["multi_modal"][i] for i in share]} if request["multi_modal"] else {}
-            tokens, logprobs = self.rollout.generate([request["prompts"][i] for i in share], request["sampling"],
-                                                     seed, **images) if len(share) else ([], None)
+            answer = self.converse(request, share, seed) if self.agent is not None else self.generate(request, share,
+                                                                                                      seed)
             parts = [None] * self.world_size
-            dist.all_gather_object(parts, (tokens, logprobs))
+            dist.all_gather_object(parts, answer)
             answers = parts[::tp]                        # one copy per TP group, in group order
             reply = None
-            if self.local_rank == 0:                     # vLLM also returns log-probs (hf: None)
+            if self.local_rank == 0 and self.agent is not None:
+                reply = {"conversations": [c for part in answers for c in part]}
+            elif self.local_rank == 0:                   # vLLM also returns log-probs (hf: None)
                 with_logprobs = any(part is not None for _, part in answers)
                 reply = {"tokens": [t for part, _ in answers for t in part],
                          "logprobs": [lp for _, part in answers for lp in part or []] if with_logprobs else None}
             self.bridge.broadcast_object(reply, src=1)
+
+    def generate(self, request, share, seed):
+        """One response per prompt of this rank's share: (token lists, log-prob lists or None)."""
+        images = {"multi_modal": [request["multi_modal"][i] for i in share]} if request["multi_modal"] else {}
+        if not len(share):
+            return [], None
+        return self.rollout.generate([request["prompts"][i] for i in share], request["sampling"], seed, **images)
+
+    def converse(self, request, share, seed):
+        """Multi-turn: this rank's share of the rows as whole conversations (agent.AgentLoop, as colocated), each
+        without what does not travel (its interaction object, its images)."""
+        rows = {"raw_prompt_ids": [request["prompts"][i] for i in share],
+                **{key: [column[i] for i in share] for key, column in request["conversation_rows"].items()}}
+        multi_modal = [request["multi_modal"][i] for i in share] if request["multi_modal"] else None
+        vllm = self.cfg.actor_rollout_ref.rollout.name == "vllm"
+        engine = agent.engine_generate(self.rollout, request["sampling"], batched=vllm)
+        conversations = self.agent.run(rows, engine, seed, multi_modal) if len(share) else []
+        return [dataclasses.replace(c, interaction=None, multi_modal=None) for c in conversations]
 
     def close(self):
         self.bridge.close()                              # the trainer's stop message was its last use
@@ -301,7 +328,10 @@ class Pipeline:
     def _send(self, batch, sampling, step, purpose):
         request = {"prompts": batch["raw_prompt_ids"], "sampling": sampling, "step": step, "purpose": purpose,
                    "seeds": [self.seed_of(step, g, purpose) for g in range(self.groups)],
-                   "multi_modal": vision.rollout_inputs(batch, range(batch_size_of(batch)))}    # None: no images
+                   "multi_modal": vision.rollout_inputs(batch, range(batch_size_of(batch))),   # None: no images
+                   # multi-turn: what the agent loop reads of each row besides its prompt ids
+                   "conversation_rows": {key: batch[key] for key in agent.ROW_COLUMNS if key in batch}
+                   if multi_turn_on(self.trainer.cfg) else None}
         if self.bridge is not None:
             self.bridge.broadcast_object(request, src=0)
         actor = self.trainer.actor
@@ -313,13 +343,18 @@ class Pipeline:
             send_weights(self.bridge, actor.base_weights())
             self.send_base = False
 
-    def _receive(self, batch, max_tokens):
+    def _receive(self, batch, max_tokens, greedy=False):
         """The answer to the last request, on every trainer rank, as a full rollout batch."""
         reply = [self.bridge.broadcast_object(None, src=1) if self.bridge is not None else None]
         if self.trainer.world_size > 1:
             dist.broadcast_object_list(reply, src=0)
         reply = reply[0]
         pad = self.trainer.tokenizer.pad_token_id
+        if "conversations" in reply:                 # multi-turn: whole conversations, tool tokens masked out
+            rows = agent.conversations_to_batch(batch, reply["conversations"], max_tokens, pad, batch["extra_info"])
+            if greedy:              # greedy turns come without log-probs (validation; nothing checks them)
+                del rows["rollout_log_probs"]
+            return {**batch, **rows}
         full = responses_to_batch(batch, reply["tokens"], max_tokens, pad, self.eos_ids)
         if reply["logprobs"] is not None:
             full["rollout_log_probs"] = pad_logprobs(reply["logprobs"], max_tokens)              # [B, R]
@@ -329,7 +364,7 @@ class Pipeline:
         """Generate now with the current weights (validation): the batch in flight is taken first."""
         self.settle()
         self._send(batch, sampling, self.trainer.global_step, purpose)
-        return self._receive(batch, sampling.max_tokens)
+        return self._receive(batch, sampling.max_tokens, sampling.greedy)
 
     # -- the training pipeline ------------------------------------------------------------------------------
     def _launch(self, step):

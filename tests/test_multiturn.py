@@ -263,3 +263,37 @@ def test_vllm_run_with_an_interaction_and_tools_and_its_resume(box_dir, tmp_path
                 for line in (resumed / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] == 2]
     assert step2 == {k: v for k, v in rows[1].items() if not k.startswith(wall_clock)}
     assert [json.loads(line) for line in (resumed / "rollouts" / "2.jsonl").read_text().splitlines()] == dumps[2]
+
+
+def test_split_devices_run_the_conversations_on_the_rollout_rank(box_dir, tmp_path):
+    """Multi-turn on split devices (1 trainer + 1 rollout rank, hf engine): the agent loop and its tools run on
+    the rollout rank. Step 1 is on-policy there, with the same weights and seed as a 1-rank colocated run, so its
+    conversations (messages, scores) and multi-turn metrics equal that run's; step 2 trains on conversations one
+    update behind, tool tokens masked out as colocated, and a resume from step 1's checkpoint (which holds the
+    conversations generated for step 2) gives step 2 again."""
+    def run_with_the_demos_tools(nproc, name, *extra):
+        return torchrun(nproc, "minirl.py", "--config", ROOT / "config.yaml",
+                 *overrides(box_dir, tmp_path / name, "hf", "sync"),
+                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={box_dir}/tools.yaml", *extra, timeout=600)
+
+    split = ["trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1", "trainer.save_freq=1"]
+    run_with_the_demos_tools(1, "colocated")
+    run_with_the_demos_tools(2, "split", *split)
+    step1 = tmp_path / "split" / "checkpoints" / "global_step_1"
+    assert_resumed(run_with_the_demos_tools(2, "resumed", *split, "trainer.resume_mode=resume_path",
+                                            f"trainer.resume_from_path={step1}"), 1)
+    dump = {name: [json.loads(line) for line in (tmp_path / name / "rollouts" / "1.jsonl").read_text().splitlines()]
+            for name in ("colocated", "split")}
+    assert dump["split"] == dump["colocated"]
+    assert sum(m["role"] == "tool" for line in dump["split"] for m in line["messages"]) > 0     # tools were called
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("colocated", "split")}
+    turns = ("num_turns/min", "num_turns/max", "num_turns/mean", "tool_calls/total", "critic/score/mean")
+    assert {k: rows["split"][0][k] for k in turns} == {k: rows["colocated"][0][k] for k in turns}
+    assert rows["split"][1]["tool_calls/total"] > 0 and rows["split"][1]["training/rollout_probs_diff_max"] > 1e-4
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+
+    def without_wall_clock(row):
+        return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}
+
+    assert resumed[-1]["step"] == 2 and without_wall_clock(resumed[-1]) == without_wall_clock(rows["split"][1])
