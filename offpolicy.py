@@ -256,8 +256,8 @@ class RolloutServer:
             self.sync_weights()
             share = np.array_split(np.arange(len(request["prompts"])), groups)[self.local_rank // tp]
             seed = request["seeds"][self.local_rank // tp]
-            answer = self.converse(request, share, seed) if self.agent is not None else self.generate(request, share,
-                                                                                                      seed)
+            work = self.converse if self.agent is not None else self.generate     # multi-turn, or one response
+            answer = work(request, share, seed)
             parts = [None] * self.world_size
             dist.all_gather_object(parts, answer)
             answers = parts[::tp]                        # one copy per TP group, in group order
