@@ -38,8 +38,12 @@ FSDP_SIZE_KEYS = ("actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model
 
 def _check_fsdp_sizes(cfg, world_size):
     """An fsdp_size under the (training) world size forms groups of that many ranks (models.fsdp_mesh): it must
-    divide the world size."""
+    divide the world size. A model that is not built (no critic without GAE, no reward model unless enabled) is not
+    checked: config.settings_without_effect names its setting instead."""
+    built = {"critic": cfg.algorithm.adv_estimator == "gae", "reward_model": cfg.reward_model.enable}
     for dotted in FSDP_SIZE_KEYS:
+        if not built.get(dotted.split(".")[0], True):
+            continue
         size = get_dotted(cfg, dotted)
         if 0 < size < world_size and world_size % size:
             raise ConfigError(f"'{dotted}'={size} does not divide the {world_size} training ranks: each model is "

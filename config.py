@@ -590,10 +590,34 @@ def settings_without_effect(cfg):
         if not alg.use_pf_ppo and alg.pf_ppo[key] != get_dotted(defaults, dotted):
             found.append(f"config key '{dotted}'={_show(alg.pf_ppo[key])} is set but PF-PPO is off, so it is not "
                          f"used: set algorithm.use_pf_ppo=true")
+    found += _settings_of_unbuilt_models(cfg, defaults)
     if alg.use_pf_ppo and alg.adv_estimator != "gae":
         found.append(f"config key 'algorithm.use_pf_ppo'=true has no effect with algorithm.adv_estimator="
                      f"{alg.adv_estimator}: PF-PPO resamples the batch after GAE only (as verl); use "
                      f"algorithm.adv_estimator=gae with a critic")
+    return found
+
+
+UNBUILT_MODEL_KEYS = {        # settings minirl reads only while building their model
+    "critic": ("critic.model.lora_rank", "critic.model.fsdp_config.fsdp_size"),
+    "reward_model": ("reward_model.model.fsdp_config.fsdp_size",),
+}
+
+
+def _settings_of_unbuilt_models(cfg, defaults):
+    """Warnings for a critic's or reward model's settings while that model is not built (verl ignores them too)."""
+    unbuilt = {"critic": (cfg.algorithm.adv_estimator != "gae",
+                          f"no critic is built with algorithm.adv_estimator={cfg.algorithm.adv_estimator} (it "
+                          f"trains with algorithm.adv_estimator=gae)"),
+               "reward_model": (not cfg.reward_model.enable,
+                                "no reward model is built (set reward_model.enable=true to score with one)")}
+    found = []
+    for role, keys in UNBUILT_MODEL_KEYS.items():
+        off, why = unbuilt[role]
+        for dotted in keys:
+            value = get_dotted(cfg, dotted)
+            if off and value != get_dotted(defaults, dotted):
+                found.append(f"config key '{dotted}'={_show(value)} is set but {why}, so it is not used")
     return found
 
 

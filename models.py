@@ -285,6 +285,7 @@ class Worker:
                                  reshard_after_forward=fsdp_cfg.reshard_after_forward,
                                  mesh=fsdp_mesh(device.type, fsdp_size))
         self.keep_gathered = not fsdp_cfg.reshard_after_forward
+        self.gather_bucket_bytes = 0     # full_weights: one tensor at a time unless a subclass sets a bucket
         # On CPU each gloo collective blocks its rank until the other ranks arrive (no communication stream runs
         # it beside the backward, as NCCL's and HCCL's do), so every reduce-scatter is a barrier where a rank the
         # host paused holds all the others up. With the whole model gathered through the mini-batch anyway, the
@@ -449,10 +450,10 @@ class Worker:
         return norm
 
     def full_weights(self, keep=None):
-        """(name, full tensor) of the model's state dict (those `keep` accepts), one tensor gathered at a time. A
-        collective."""
-        with self.on_device():
-            yield from full_state_dict_items(self.model, keep)
+        """(name, full tensor) of the model's state dict (those `keep` accepts), gathered in buckets of
+        gather_bucket_bytes (0: one tensor at a time; full_state_dict_items). A collective."""
+        with self.on_device():           # offloaded: back in host memory once the last tensor is taken
+            yield from full_state_dict_items(self.model, keep, self.gather_bucket_bytes)
 
     def adapter(self):
         """The LoRA adapter's full tensors in peft's format (lora.Adapter). A collective."""
@@ -487,6 +488,8 @@ class Policy(Worker):
                          sp_key=f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size",
                          fsdp_size=arr.actor.fsdp_config.fsdp_size)     # verl's ref shares the actor's mesh
         self.cfg = cfg
+        # what the rollout engine's weight sync gathers in one collective (full_weights)
+        self.gather_bucket_bytes = arr.rollout.update_weights_bucket_megabytes * 2**20
         self.kernel = logprobs_and_entropy
         if arr.actor.entropy_from_logits_with_chunking:     # verl's chunk: 2048 rows at a time, in fp32
             self.kernel = functools.partial(logprobs_and_entropy, entropy_chunk_size=ENTROPY_CHUNK_ROWS)
@@ -497,13 +500,6 @@ class Policy(Worker):
         return token_logprobs(self.model, micro, temperature=temperature, use_remove_padding=self.use_remove_padding,
                               calc_entropy=calc_entropy, kernel=self.kernel, entropy_grad=entropy_grad,
                               sp_group=self.sp_group)
-
-    def full_weights(self, keep=None):
-        """(name, full tensor) for the rollout engine, gathered in buckets of
-        rollout.update_weights_bucket_megabytes (full_state_dict_items). A collective."""
-        bucket_bytes = self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes * 2**20
-        with self.on_device():           # offloaded: back in host memory once the last tensor is taken
-            yield from full_state_dict_items(self.model, keep, bucket_bytes)
 
     def base_weights(self):
         """(Hugging Face name, full tensor) of the frozen base model under the LoRA wrapper: adapter tensors

@@ -431,10 +431,31 @@ def test_fsdp_size_groups_must_divide_the_training_ranks(paths):
     assert cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size == 2
     assert settings_without_effect(cfg) == []                          # read (models.fsdp_mesh), no warning
     load_config(write(paths, minimal(paths)), [f"{key}=8"], world_size=4)     # >= the world: all ranks, as verl
+    models_built = ["algorithm.adv_estimator=gae", f"critic.model.path={paths['model']}", "reward_model.enable=true",
+                    f"reward_model.model.path={paths['model']}"]
     for dotted in (key, "critic.model.fsdp_config.fsdp_size", "reward_model.model.fsdp_config.fsdp_size"):
         with pytest.raises(ConfigError, match=rf"'{dotted}'=3 does not divide the 4 training ranks: .* choose a "
                                               r"divisor of 4, or -1 to shard over all ranks"):
-            load_config(write(paths, minimal(paths)), [f"{dotted}=3"], world_size=4)
+            load_config(write(paths, minimal(paths)), [f"{dotted}=3"] + models_built, world_size=4)
+
+
+def test_settings_of_a_model_that_is_not_built_are_named_as_unused(paths):
+    """GRPO builds no critic and, unless enabled, no reward model: their sizes are neither checked nor silent."""
+    unused = ["critic.model.lora_rank=8", "critic.model.fsdp_config.fsdp_size=3",
+              "reward_model.model.fsdp_config.fsdp_size=3"]
+    cfg = load_config(write(paths, minimal(paths)), unused, world_size=4)        # 3 divides nothing built
+    assert settings_without_effect(cfg) == [
+        "config key 'critic.model.lora_rank'=8 is set but no critic is built with algorithm.adv_estimator=grpo (it "
+        "trains with algorithm.adv_estimator=gae), so it is not used",
+        "config key 'critic.model.fsdp_config.fsdp_size'=3 is set but no critic is built with "
+        "algorithm.adv_estimator=grpo (it trains with algorithm.adv_estimator=gae), so it is not used",
+        "config key 'reward_model.model.fsdp_config.fsdp_size'=3 is set but no reward model is built (set "
+        "reward_model.enable=true to score with one), so it is not used"]
+    built = ["algorithm.adv_estimator=gae", f"critic.model.path={paths['model']}", "reward_model.enable=true",
+             f"reward_model.model.path={paths['model']}", "critic.model.lora_rank=8",
+             "critic.model.fsdp_config.fsdp_size=2", "reward_model.model.fsdp_config.fsdp_size=2",
+             "critic.ppo_micro_batch_size_per_gpu=1", "reward_model.micro_batch_size_per_gpu=1"]
+    assert settings_without_effect(load_config(write(paths, minimal(paths)), built, world_size=4)) == []
 
 
 def test_nodes_must_multiply_to_the_world_size(paths):
