@@ -65,10 +65,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 FORMAT = "minirl-checkpoint-2"          # 2: files map to {"bytes", "blake2b"}; 1 held sizes only
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# role -> (its save_contents in the config, its trainer.max_*_ckpt_to_keep key)
+LOADABLE = ("model", "optimizer", "extra")         # hf_model is a copy for users, never read back
 LORA_DIR = "lora_adapter"
-ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint.save_contents", "max_actor_ckpt_to_keep"),
-             "critic": ("critic.checkpoint.save_contents", "max_critic_ckpt_to_keep")}
+# role -> (its checkpoint settings in the config, its trainer.max_*_ckpt_to_keep key)
+ROLE_KEYS = {"actor": ("actor_rollout_ref.actor.checkpoint", "max_actor_ckpt_to_keep"),
+             "critic": ("critic.checkpoint", "max_critic_ckpt_to_keep")}
 
 
 class CheckpointError(RuntimeError):
@@ -97,13 +98,24 @@ def _log(message):
 
 def save_contents(cfg, role):
     """The role's checkpoint.save_contents, checked against what minirl can save."""
-    dotted = ROLE_KEYS[role][0]
+    return _contents(cfg, f"{ROLE_KEYS[role][0]}.save_contents", CONTENTS, "such a checkpoint could not be resumed")
+
+
+def load_contents(cfg, role):
+    """The role's checkpoint.load_contents: what a resume reads of the role's checkpoint (verl's
+    FSDPCheckpointManager.load_checkpoint). Without 'optimizer' the optimizer starts fresh; without 'extra' the
+    LR schedule, the RNG and the skipped-step count do. The step, the data position and the KL controller come
+    back whatever it says (the trainer's state, as in verl)."""
+    return _contents(cfg, f"{ROLE_KEYS[role][0]}.load_contents", LOADABLE, "a resume continues from the weights")
+
+
+def _contents(cfg, dotted, allowed, why_model):
     contents = list(get_dotted(cfg, dotted))
-    unknown = [c for c in contents if c not in CONTENTS]
+    unknown = [c for c in contents if c not in allowed]
     if unknown:
-        raise CheckpointError(f"'{dotted}' has {unknown}; allowed: {list(CONTENTS)}")
+        raise CheckpointError(f"'{dotted}' has {unknown}; allowed: {list(allowed)}")
     if "model" not in contents:
-        raise CheckpointError(f"'{dotted}'={contents} lacks 'model': such a checkpoint could not be resumed")
+        raise CheckpointError(f"'{dotted}'={contents} lacks 'model': {why_model}")
     return contents
 
 
@@ -552,9 +564,10 @@ def _torch_load(path):
 def resume(cfg, roles, loader, stateful=None):
     """Apply trainer.resume_mode; returns the global step to continue after (0: from scratch) and that step's
     metrics row as saved with it (None when starting fresh or from a checkpoint saved without one). Also checks
-    the save settings, so a bad save_contents fails before training starts."""
+    the save and load settings, so a bad save_contents or load_contents fails before training starts."""
     for name in roles:
         save_contents(cfg, name)
+    wanted = {name: load_contents(cfg, name) for name in roles}
     trainer = cfg.trainer
     if trainer.resume_mode == "disable":
         return 0, None
@@ -571,7 +584,7 @@ def resume(cfg, roles, loader, stateful=None):
     manifest = validate(step_dir, world_size, {name: param_layout(role.model) for name, role in roles.items()})
     for name, role in roles.items():
         with role.on_device():      # the optimizer state is loaded onto its parameters' device
-            _load_role(step_dir / name, role, manifest["roles"][name]["contents"], rank, world_size)
+            _load_role(step_dir / name, role, manifest["roles"][name]["contents"], wanted[name], rank, world_size)
     try:
         loader.load_state_dict(_torch_load(step_dir / "data.pt"))
     except ValueError as err:         # the data settings changed since the checkpoint
@@ -587,20 +600,26 @@ def resume(cfg, roles, loader, stateful=None):
     return trainer_state["global_step"], trainer_state.get("metrics")
 
 
-def _load_role(folder, role, contents, rank, world_size):
+def _load_role(folder, role, saved, wanted, rank, world_size):
+    """Load what the checkpoint holds (`saved`, its save_contents) and the run asks for (`wanted`, load_contents)."""
     _load_model_shard(role.model, _torch_load(folder / _shard_file("model", world_size, rank)),
                       folder / _shard_file("model", world_size, rank))
-    if "optimizer" in contents:
-        _load_optimizer_shard(role.optimizer, _torch_load(folder / _shard_file("optim", world_size, rank)))
-    else:
+    if "optimizer" not in wanted:
+        _log(f"{folder}: the optimizer state is not loaded (load_contents lacks 'optimizer'): it starts fresh")
+    elif "optimizer" not in saved:
         _log(f"{folder} has no optimizer state (save_contents lacked 'optimizer'): the optimizer starts fresh")
-    if "extra" in contents:
+    else:
+        _load_optimizer_shard(role.optimizer, _torch_load(folder / _shard_file("optim", world_size, rank)))
+    if "extra" not in wanted:
+        _log(f"{folder}: the extra state is not loaded (load_contents lacks 'extra'): LR schedule and RNG start "
+             f"fresh")
+    elif "extra" not in saved:
+        _log(f"{folder} has no extra state (save_contents lacked 'extra'): LR schedule and RNG start fresh")
+    else:
         extra = _torch_load(folder / _shard_file("extra_state", world_size, rank))
         role.scheduler.load_state_dict(extra["lr_scheduler"])
         role.load_checkpoint_counters(extra["counters"])
         set_rng_state(extra["rng"])
-    else:
-        _log(f"{folder} has no extra state (save_contents lacked 'extra'): LR schedule and RNG start fresh")
 
 
 # ----------------------------------------------------------------------------------------------------------------

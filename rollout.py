@@ -274,6 +274,7 @@ class VLLMRollout:
             unlink_cpu_shared_memory(vllm_process_groups())
         self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
         quiet_reload_warnings_of_buffer_only_layers(self.worker.model_runner.get_model())
+        quiet_cast_warnings_into_the_engine_dtype(self.llm.llm_engine.model_config.dtype)
         self.base_loaded = not rollout.load_format.startswith("dummy")
         self.adapter_dir = Path(cfg.af_output_dir, "vllm", f"adapter_rank{rank}")
         self.lora_request = None                      # the adapter generation runs with (LoRA only)
@@ -449,6 +450,20 @@ def quiet_reload_warnings_of_buffer_only_layers(model):
     def keep(record):
         return not (record.msg == RELOAD_MISSED and record.args and record.args[0] in buffer_only)
     logging.getLogger(RELOAD_LOGGER).addFilter(keep)
+
+
+CAST_LOGGER = "vllm.model_executor.models.utils"
+CAST_WARNING = "Attempted to load weight %s with dtype %s into parameter with dtype %s"    # vLLM 0.32's
+
+
+def quiet_cast_warnings_into_the_engine_dtype(engine_dtype):
+    """The actor's weights are fp32 (its master copy), the engine's may be narrower (rollout.dtype, bf16 by verl's
+    default), so every sync narrows each tensor vLLM loads one by one, and vLLM warns of that once per tensor, rank
+    and sync: most of a run's log. That cast is what rollout.dtype asks for, so those lines are dropped; a cast into
+    any other dtype (a parameter vLLM keeps apart, in fp32 or quantized) still warns."""
+    def keep(record):
+        return not (record.msg == CAST_WARNING and len(record.args) == 3 and record.args[2] == engine_dtype)
+    logging.getLogger(CAST_LOGGER).addFilter(keep)
 
 
 def vllm_engine_kwargs(cfg, device):

@@ -242,6 +242,58 @@ def test_resume_path_and_hf_export_give_the_trained_models_logprobs(run_a, demo_
         "5 steps at lr 1e-3 should have moved the log-probs"
 
 
+def without_optimizer_and_extra(step_dir, copy):
+    """A copy of a checkpoint as save_contents=[model, hf_model] would have written it: no optimizer or extra
+    state shards, and a manifest that says so."""
+    shutil.copytree(step_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for name in [name for name in manifest["files"] if "/optim_" in name or "/extra_state_" in name]:
+        (copy / name).unlink()
+        del manifest["files"][name]
+    contents = manifest["roles"]["actor"]["contents"]
+    manifest["roles"]["actor"]["contents"] = [c for c in contents if c not in ("optimizer", "extra")]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def optimizer_steps(step_dir):
+    """Adam's step count in rank 0's optimizer shard of the actor."""
+    saved = torch.load(step_dir / "actor" / "optim_world_size_2_rank_0.pt", weights_only=False)["state_dict"]
+    return {float(entries["step"]) for entries in saved["state"].values()}
+
+
+def test_load_contents_model_only_resumes_the_weights_with_a_fresh_optimizer(run_a, demo_dir, data_file, tmp_path):
+    """verl's checkpoint.load_contents=[model]: the resume takes the step-4 weights and leaves the optimizer, LR
+    schedule and RNG fresh, exactly as a resume from a checkpoint saved without them does."""
+    step4 = run_a / "checkpoints" / "global_step_4"
+    asked, saved_less = tmp_path / "asked", tmp_path / "saved_less"
+    train(demo_dir, data_file, asked, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step4}",
+          "actor_rollout_ref.actor.checkpoint.load_contents=[model]")
+    copy = without_optimizer_and_extra(step4, tmp_path / "copy" / "global_step_4")
+    train(demo_dir, data_file, saved_less, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={copy}")
+    assert metric_rows(asked / "metrics.jsonl") == metric_rows(saved_less / "metrics.jsonl")
+    step5 = [root / "checkpoints" / "global_step_5" for root in (asked, saved_less, run_a)]
+    # 2 optimizer steps a training step (4 prompts, mini-batches of 2): 2 since the resume, against 10 in all
+    assert optimizer_steps(step5[0]) == optimizer_steps(step5[1]) == {2.0}
+    assert optimizer_steps(step5[2]) == {10.0}
+    weights = [torch.load(d / "actor" / "model_world_size_2_rank_0.pt", weights_only=False) for d in step5]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert not all(torch.equal(weights[0][name], weights[2][name]) for name in weights[0]), \
+        "a fresh Adam's first steps should move the weights otherwise than the continued one"
+
+
+def test_load_contents_must_name_the_model(ckpt_copy):
+    cfg = resume_cfg("trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt_copy / 'global_step_4'}",
+                     "actor_rollout_ref.actor.checkpoint.load_contents=[optimizer]")
+    with pytest.raises(checkpoint.CheckpointError, match=r"'actor_rollout_ref.actor.checkpoint.load_contents'="
+                                                         r"\['optimizer'\] lacks 'model'"):
+        checkpoint.resume(cfg, roles={"actor": None}, loader=None)        # refused before any model is touched
+    cfg = resume_cfg("actor_rollout_ref.actor.checkpoint.load_contents=[model,hf_model]")
+    with pytest.raises(checkpoint.CheckpointError, match=r"has \['hf_model'\]; allowed: \['model', 'optimizer', "
+                                                         r"'extra'\]"):
+        checkpoint.load_contents(cfg, "actor")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The non-finite guard
 

@@ -186,6 +186,24 @@ def test_reload_warnings_are_dropped_for_buffer_only_layers_only(caplog):
                                                         "Rotary: Allocating extra memory"]
 
 
+def test_cast_warnings_are_dropped_for_the_engines_own_dtype_only(caplog):
+    """A sync narrows the actor's fp32 weights into a bf16 engine: vLLM's warning for that goes; a cast into a
+    parameter of another dtype (one vLLM keeps apart) still warns, and so do other messages."""
+    logger = logging.getLogger(rollout.CAST_LOGGER)
+    before = list(logger.filters)
+    try:
+        rollout.quiet_cast_warnings_into_the_engine_dtype(torch.bfloat16)
+        with caplog.at_level(logging.WARNING, logger=rollout.CAST_LOGGER):
+            logger.warning(rollout.CAST_WARNING, "layers.0.mlp.down_proj.weight", torch.float32, torch.bfloat16)
+            logger.warning(rollout.CAST_WARNING, "layers.0.gate.bias", torch.float32, torch.float16)
+            logger.warning("Loaded weight %s", "norm.weight")
+    finally:
+        logger.filters[:] = before
+    assert [r.getMessage() for r in caplog.records] == [
+        "Attempted to load weight layers.0.gate.bias with dtype torch.float32 into parameter with dtype "
+        "torch.float16", "Loaded weight norm.weight"]
+
+
 @needs_vllm
 def test_a_resumed_vllm_run_samples_and_logs_what_the_uninterrupted_run_did(vllm_run, demo_dir, tmp_path):
     """The state a kill during step 3 leaves (the step-2 checkpoint complete, step 3's row not written), made from
