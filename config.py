@@ -99,27 +99,46 @@ def _schema_at(path):
     return node
 
 
-def _unknown_key_error(path, source):
+def _unknown_key_hint(path):
+    """Where an unknown key probably belongs: the same name in another section first (e.g. 'ppo_epochs' under
+    'data', 'custom_chat_template' under 'data' for the model's), else a close spelling among its siblings, else
+    a close dotted key anywhere."""
     parent, key = path[:-1], path[-1]
+    same = [k for k in ALL_KEYS if k.endswith("." + key)]
+    if same:
+        return "did you mean " + " or ".join(f"'{k}'" for k in same[:3]) + "?"
     siblings = list(_schema_at(parent).keys()) if isinstance(_schema_at(parent), dict) else []
     guess = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if guess:
-        hint = f"did you mean '{'.'.join(parent + [guess[0]])}'?"
-    else:
-        # the key may exist in another section (e.g. 'ppo_epochs' under 'data')
-        same = [k for k in ALL_KEYS if k.endswith("." + key)]
-        close = same or difflib.get_close_matches(".".join(path), ALL_KEYS, n=1, cutoff=0.7)
-        hint = f"did you mean '{close[0]}'?" if close else "see config.yaml for the valid keys."
-    return ConfigError(f"unknown config key '{'.'.join(path)}' (from {source}): {hint}")
+        return f"did you mean '{'.'.join(parent + [guess[0]])}'?"
+    close = difflib.get_close_matches(".".join(path), ALL_KEYS, n=1, cutoff=0.7)
+    return f"did you mean '{close[0]}'?" if close else "see config.yaml for the valid keys."
 
 
-def _merge(base, update, path, source):
-    """Merge `update` into `base` in place, refusing keys the schema does not know."""
+def _unknown_keys_error(paths, source):
+    """One error naming every unknown key of a yaml file or override, each with its hint."""
+    if len(paths) == 1:
+        return ConfigError(f"unknown config key '{'.'.join(paths[0])}' (from {source}): {_unknown_key_hint(paths[0])}")
+    lines = [f"  '{'.'.join(path)}': {_unknown_key_hint(path)}" for path in paths]
+    return ConfigError(f"{len(paths)} unknown config keys (from {source}):\n" + "\n".join(lines))
+
+
+def _merge_layer(tree, layer, source):
+    """Merge one yaml file or override into the tree, refusing (all at once) the keys the schema does not know."""
+    unknown = []
+    _merge(tree, layer, [], source, unknown)
+    if unknown:
+        raise _unknown_keys_error(unknown, source)
+
+
+def _merge(base, update, path, source, unknown):
+    """Merge `update` into `base` in place; the paths of keys the schema does not know go to `unknown`."""
     for key, value in update.items():
         here = path + [key]
         schema = _schema_at(here)
         if schema is _UNKNOWN:
-            raise _unknown_key_error(here, source)
+            unknown.append(here)
+            continue
         if isinstance(schema, Key) and schema.kinds is dict and isinstance(value, dict):
             if not isinstance(base.get(key), dict):
                 base[key] = {}
@@ -130,7 +149,7 @@ def _merge(base, update, path, source):
             if not isinstance(value, dict):
                 raise ConfigError(f"config key '{'.'.join(here)}' (from {source}) must be a mapping of keys, "
                                   f"got {_show(value)}")
-            _merge(base[key], value, here, source)
+            _merge(base[key], value, here, source, unknown)
         else:
             base[key] = value
 
@@ -173,7 +192,7 @@ def _normalise_shape(raw, source):
             raise ConfigError(f"{source}: 'actor_rollout_ref.rollout' must be a mapping of keys")
         _deep_update(rollout.setdefault("engine_kwargs", {}), engine_kwargs)
     if raw:
-        raise _unknown_key_error([next(iter(raw))], source)
+        raise _unknown_keys_error([[key] for key in raw], source)
     return tree
 
 
@@ -393,13 +412,13 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
     return a Config."""
     tree = default_tree()
     for layer, source in config_layers(path) if path is not None else []:
-        _merge(tree, layer, [], source)
+        _merge_layer(tree, layer, source)
     for text in overrides:
         parts, value = parse_override(text)
         source = f"override '{_cut(text, 80)}'"
         if not parts and not isinstance(value, dict):
             raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(value)}")
-        _merge(tree, _nest(parts, value), [], source)
+        _merge_layer(tree, _nest(parts, value), source)
     resolve_interpolations(tree, f"config file '{path}' or an override" if path is not None else "the overrides")
     cfg = Config.wrap(tree)
     check_types(cfg)

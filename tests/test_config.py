@@ -212,6 +212,23 @@ def test_key_in_the_wrong_section_points_to_the_right_one(paths):
         load_config(write(paths, minimal(paths)), ["data.ppo_epochs=2"], world_size=2)
 
 
+def test_every_unknown_key_of_a_file_is_named_at_once_with_the_likeliest_home(paths):
+    """An old verl yaml with several stale keys: one error lists them all, a name that exists in another section
+    pointing there before a near spelling among its siblings (data.custom_chat_template is not data.custom_cls)."""
+    tree = minimal(paths, data__custom_chat_template="{{ x }}", trainer__totl_epochs=3,
+                   reward_model__model__fsdp_config__min_num_params=0)
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(paths, tree), world_size=2)
+    assert str(caught.value) == (
+        f"3 unknown config keys (from {paths['dir'] / 'cfg.yaml'}):\n"
+        "  'data.custom_chat_template': did you mean 'actor_rollout_ref.model.custom_chat_template'?\n"
+        "  'reward_model.model.fsdp_config.min_num_params': did you mean "
+        "'actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params' or "
+        "'actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params' or "
+        "'critic.model.fsdp_config.wrap_policy.min_num_params'?\n"
+        "  'trainer.totl_epochs': did you mean 'trainer.total_epochs'?")
+
+
 def test_unknown_override_key(paths):
     with pytest.raises(ConfigError, match="unknown config key 'trainer.totl_epochs'.*total_epochs"):
         load_config(write(paths, minimal(paths)), ["trainer.totl_epochs=3"], world_size=2)
