@@ -52,8 +52,7 @@ from interactions import interaction_kwargs, interaction_name, load_interactions
 from tools import load_tools, parse_hermes, truncate_tool_text
 
 MARK = "\x00minirl-assistant\x00"       # stands in for an assistant message when measuring the template
-# verl's agent loops that a row's `agent_name` column picks; a row without one gets the tool loop (verl's SGLang
-# rollout runs every row multi-turn; verl's async agent loop would give it single_turn_agent)
+# verl's agent loops that a row's `agent_name` column picks (AgentLoop.default_agent for a row without one)
 AGENT_NAMES = ("tool_agent", "single_turn_agent")
 ROW_COLUMNS = ("raw_prompt", "extra_info", "agent_name")    # what AgentLoop.run reads of a row besides its ids
 
@@ -111,6 +110,9 @@ class AgentLoop:
         self.tokenizer, self.tools, self.response_length, self.mode = tokenizer, tools, response_length, mode
         self.interactions = interactions or {}
         self.cfg = multi_turn
+        # a row without agent_name: with multi_turn.enable the tool loop (verl's SGLang rollout runs every row
+        # multi-turn); without it (rollout.mode=async alone) one generation, as verl's async agent loop gives it
+        self.default_agent = "tool_agent" if multi_turn.enable else "single_turn_agent"
         self.eos_ids = set(eos_ids) or {tokenizer.eos_token_id}
         self.chat_template = chat_template
         self.schemas = [dict(tool.get_openai_tool_schema()) for tool in tools.values()] or None
@@ -145,7 +147,7 @@ class AgentLoop:
                                       prompt_messages=len(messages), single_turn=single)
                          for i, (ids, messages, info, entry, single) in enumerate(zip(
                              batch["raw_prompt_ids"], batch["raw_prompt"], infos, images,
-                             [agent == "single_turn_agent" for agent in agents]))]
+                             [(agent or self.default_agent) == "single_turn_agent" for agent in agents]))]
         return asyncio.run(self._run(conversations, generate, seed))
 
     async def _run(self, conversations, generate, seed):

@@ -191,8 +191,9 @@ def test_async_scheduler_lets_fast_conversations_overtake_slow_tools(tok, fixtur
 
 def test_a_rows_agent_name_picks_verls_agent_loop(tok, fixture_tools):
     """verl's `agent_name` column: single_turn_agent generates once (a tool call in it is text, not run; no tool
-    instance is made, the row's interaction is not started), tool_agent and a row without the column run the tool
-    loop; another name is a config error naming the row."""
+    instance is made, the row's interaction is not started), tool_agent runs the tool loop, and so does a row without
+    the column when multi_turn.enable is on (one turn when only rollout.mode=async is); another name is a config
+    error naming the row."""
     script = {"A?": [call("add", a=2, b=3), "#### 5"], "B?": [call("add", a=2, b=3), "#### 5"],
               "C?": [call("add", a=2, b=3), "#### 5"]}
     loop = agent.AgentLoop(tok, {"add": fixture_tools["add"]}, multi_turn(), 512, eos_ids=[tok.eos_token_id],
@@ -213,6 +214,14 @@ def test_a_rows_agent_name_picks_verls_agent_loop(tok, fixture_tools):
          "position_ids": torch.zeros(3, 1, dtype=torch.long)}, [single, tool, unnamed], 64, 0, [{}] * 3)["extra_info"]]
     assert rewards == [{}, {"add": 0.0}, {"add": 0.0}]           # no tool instance for the single turn
     assert (tool.assistant_turns, tool.tool_calls) == (unnamed.assistant_turns, unnamed.tool_calls) == (2, 1)
+    # rollout.mode=async without multi_turn.enable (verl's async agent loop): a row without the column, one turn
+    async_loop = agent.AgentLoop(tok, {"add": fixture_tools["add"]}, multi_turn(enable=False), 512, mode="async",
+                                 eos_ids=[tok.eos_token_id], chat_template=TOOL_CHAT_TEMPLATE)
+    rows.update(agent_name=[None, "tool_agent", None], extra_info=[{}, {}, {}])
+    unnamed, tool, _ = async_loop.run(rows, agent.engine_generate(ScriptedEngine(tok, script),
+                                                                  Sampling(max_tokens=512), batched=True), seed=0)
+    assert unnamed.response_ids == single.response_ids and (unnamed.assistant_turns, unnamed.tool_calls) == (1, 0)
+    assert (tool.assistant_turns, tool.tool_calls) == (2, 1)
     agent.check_agent_names([("t, row 0", {"agent_name": "tool_agent"}), ("t, row 1", {})], "data file")
     with pytest.raises(ConfigError, match="data file t, row 4: agent_name 'react_agent' is not an agent loop minirl "
                                           "runs; use tool_agent or single_turn_agent"):
