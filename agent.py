@@ -165,7 +165,8 @@ class AgentLoop:
         await asyncio.gather(*(self.close_tools(c) for c in conversations))
         await asyncio.gather(*(self.finalize_interaction(c) for c in conversations))
         for conversation in conversations:
-            self.check_tokenization(conversation)
+            if not conversation.single_turn:    # one generation is trained as sampled: nothing was re-templated
+                self.check_tokenization(conversation)
         return conversations
 
     async def converse(self, conversation, generate_one, seed):

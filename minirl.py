@@ -73,7 +73,8 @@ from runtime import (check_output_folders, claim_output_folder, init_distributed
                      sampling_seed, seed_everything, share_cpu)
 from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
 from to_verl import to_verl
-from tracking import Tracker, data_metrics, pick_validation_generations, plot, timing_metrics, validation_metrics
+from tracking import (Tracker, data_metrics, memory_metrics, pick_validation_generations, plot, timing_metrics,
+                      validation_metrics)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small pieces of the step
@@ -359,6 +360,7 @@ class Trainer:
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", timings):
                     metrics.update(self.actor.update(local, self.dp, on_policy=on_policy))
+                metrics.update(memory_metrics(self.device))     # verl's perf/*memory*_gb, after the update
                 if on_policy:                    # the update's first forward gave the sampling policy's log-probs
                     local["old_log_probs"], entropy = self.actor.on_policy_outputs
                     metrics.update(self.record_old_log_probs(batch, local, entropy))

@@ -13,7 +13,7 @@ python=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-common=(numpy pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb peft pillow)
+common=(numpy psutil pyarrow pyyaml tensorboard tqdm pytest hypothesis safetensors tokenizers matplotlib wandb peft pillow)
 case "$device" in
   cpu)
     # Vision-language models (Qwen2.5-VL) need torchvision: transformers' Qwen2-VL processors and vLLM's model

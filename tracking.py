@@ -13,6 +13,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 
@@ -281,6 +282,17 @@ def majority_positions(draws, preds, chunk=128):
         winner_at = np.where(tied, first, k).min(2)                                        # [c, B] first drawn of them
         positions.append(draws[np.arange(len(draws)), winner_at])                         # [c, B] into n
     return np.concatenate(positions)
+
+
+def memory_metrics(device):
+    """verl's memory figures of an actor update (fsdp_workers.update_actor, v0.5.0), this rank's: the host's used
+    memory, and on an accelerator the peak memory allocated and reserved since the process started."""
+    m = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+    if device.type != "cpu":
+        accelerator = getattr(torch, device.type)          # torch.cuda, or torch.npu (torch_npu)
+        m["perf/max_memory_allocated_gb"] = accelerator.max_memory_allocated() / 2**30
+        m["perf/max_memory_reserved_gb"] = accelerator.max_memory_reserved() / 2**30
+    return m
 
 
 def timing_metrics(timings, batch, world_size):

@@ -222,6 +222,14 @@ def test_a_rows_agent_name_picks_verls_agent_loop(tok, fixture_tools):
                                                                   Sampling(max_tokens=512), batched=True), seed=0)
     assert unnamed.response_ids == single.response_ids and (unnamed.assistant_turns, unnamed.tool_calls) == (1, 0)
     assert (tool.assistant_turns, tool.tool_calls) == (2, 1)
+    # sampled ids that re-tokenise otherwise ('#' '#' '#' '#' for '####'): a tool-loop row is checked against a
+    # re-templating and counted; one generation is trained as sampled, not re-templated
+    spelled = [i for ch in "#### 5" for i in tok.encode(ch, add_special_tokens=False)] + [tok.eos_token_id]
+    rows["raw_prompt_ids"] = [ids(tok, async_loop.render(messages, add_generation_prompt=True))   # as the dataset
+                              for messages in rows["raw_prompt"]]                              # templates them
+    with pytest.warns(UserWarning, match="multi-turn tokenization: the trained token ids differ"):
+        unnamed, tool, _ = async_loop.run(rows, lambda requests: [(spelled, None) for _ in requests], seed=0)
+    assert (unnamed.response_ids, unnamed.tokenization_mismatch, tool.tokenization_mismatch) == (spelled, False, True)
     agent.check_agent_names([("t, row 0", {"agent_name": "tool_agent"}), ("t, row 1", {})], "data file")
     with pytest.raises(ConfigError, match="data file t, row 4: agent_name 'react_agent' is not an agent loop minirl "
                                           "runs; use tool_agent or single_turn_agent"):

@@ -5,6 +5,7 @@ import json
 import re
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -42,7 +43,7 @@ VERL_NAMES = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mea
               "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac", "actor/ppo_kl",
               "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
               "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/total_num_tokens",
-              "training/global_step", "global_seqlen/mean"]
+              "training/global_step", "global_seqlen/mean", "perf/cpu_memory_used_gb"]
 
 
 def test_metrics_jsonl_has_verl_names_per_step(e2e_run):
@@ -54,6 +55,9 @@ def test_metrics_jsonl_has_verl_names_per_step(e2e_run):
         assert not missing, missing
     assert "val-core/minirl/add/reward/mean@1" in rows[3]       # test_freq=3: validated at the last step
     assert all(0.0 <= r["critic/score/mean"] <= 1.0 for r in rows[1:])
+    host_gb = psutil.virtual_memory().total / 2**30                   # in GiB, as verl: below the host's total
+    assert all(0.0 < r["perf/cpu_memory_used_gb"] < host_gb for r in rows[1:])
+    assert not any("perf/max_memory_allocated_gb" in r for r in rows)  # a device peak only where there is a device
 
 
 def test_tensorboard_events_read_back(e2e_run):
