@@ -40,6 +40,8 @@ def free(default=None):
 # Valid ranges, written once (interval notation; 'a or [..]' adds a special value).
 SIZE, COUNT, POSITIVE, UNIT, SEED = "[1, inf)", "[0, inf)", "(0, inf)", "[0, 1]", "[0, 4294967296)"
 OFF_OR_SIZE, OFF_OR_COUNT = "-1 or [1, inf)", "-1 or [0, inf)"
+TOP_K = "-1 or [0, inf)"        # -1 and 0 both sample from every token: verl's comment gives 0 for its HF rollout
+_TOP_K_WHY = "-1 or 0 for all tokens, k >= 1 for the k likeliest"
 
 # fsdp_config: minirl reads reshard_after_forward (models.shard_fsdp2; FSDP2 shards every decoder layer); the rest
 # are the ranges of verl's numbers, and the two keys verl v0.5.0's fsdp_workers reads for actor, ref and critic
@@ -107,7 +109,7 @@ DEFAULTS = {
         },
         "rollout": {
             "name": "vllm", "mode": "sync", "temperature": Key(1.0, POSITIVE, why=_TEMPERATURE_WHY),
-            "top_k": Key(-1, OFF_OR_SIZE), "top_p": Key(1.0, "(0, 1]"), "do_sample": True, "n": Key(1, SIZE),
+            "top_k": Key(-1, TOP_K, why=_TOP_K_WHY), "top_p": Key(1.0, "(0, 1]"), "do_sample": True, "n": Key(1, SIZE),
             "prompt_length": null(int, SIZE), "response_length": null(int, SIZE), "dtype": "bfloat16",
             "gpu_memory_utilization": Key(0.5, "(0, 1]"), "ignore_eos": False, "enforce_eager": True,
             "free_cache_engine": True, "load_format": "dummy_dtensor", "layered_summon": False,
@@ -116,7 +118,7 @@ DEFAULTS = {
             **_LOG_PROB, "disable_log_stats": True, "calculate_log_probs": False,
             "update_weights_bucket_megabytes": Key(512, SIZE),
             "engine_kwargs": {"vllm": free(), "sglang": free()},
-            "val_kwargs": {"top_k": Key(-1, OFF_OR_SIZE), "top_p": Key(1.0, "(0, 1]"),
+            "val_kwargs": {"top_k": Key(-1, TOP_K, why=_TOP_K_WHY), "top_p": Key(1.0, "(0, 1]"),
                            "temperature": Key(0.0, COUNT), "n": Key(1, SIZE), "do_sample": False},
             "multi_turn": {
                 "enable": False, "max_assistant_turns": null(int, SIZE), "tool_config_path": null(str),

@@ -97,7 +97,8 @@ def test_config_path_that_is_no_file(path):
     ("trainer.total_training_steps=-5", r"total_training_steps'=-5 is out of range: valid is \[1, inf\)"),
     ("trainer.total_epochs=0", r"total_epochs'=0 is out of range"),
     ("actor_rollout_ref.rollout.top_p=5", r"top_p'=5 is out of range: valid is \(0, 1\]"),
-    ("actor_rollout_ref.rollout.top_k=0", r"top_k'=0 is out of range: valid is -1 or \[1, inf\)"),
+    ("actor_rollout_ref.rollout.top_k=-2", r"top_k'=-2 is out of range: valid is -1 or \[0, inf\) \(-1 or 0 for "
+                                           r"all tokens"),
     ("algorithm.gamma=.nan", r"'algorithm.gamma'=nan is not a finite number"),
     ("algorithm.lam=1.5", r"'algorithm.lam'=1.5 is out of range: valid is \[0, 1\]"),
     ("actor_rollout_ref.rollout.n=0", r"'actor_rollout_ref.rollout.n'=0 is out of range"),

@@ -22,7 +22,7 @@ KEYS = [(dotted, spec) for dotted, spec in leaves(SCHEMA) if spec.kinds is not d
 MUST_HOLD = {
     "actor_rollout_ref.rollout.temperature": lambda v: v > 0,
     "actor_rollout_ref.rollout.top_p": lambda v: 0 < v <= 1,
-    "actor_rollout_ref.rollout.top_k": lambda v: v == -1 or v >= 1,
+    "actor_rollout_ref.rollout.top_k": lambda v: v >= -1,           # -1 and 0 (verl's value for HF): every token
     "actor_rollout_ref.rollout.n": lambda v: v >= 1,
     "actor_rollout_ref.rollout.gpu_memory_utilization": lambda v: 0 < v <= 1,
     "actor_rollout_ref.rollout.tensor_model_parallel_size": lambda v: v >= 1,

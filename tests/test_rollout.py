@@ -81,7 +81,7 @@ def test_sampled_log_probs_are_those_of_the_distribution_each_token_was_drawn_fr
     engine = HFRollout(str(tiny_model_dir), tokenizer, torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompts = [PROMPT, PROMPT[:2], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
-    for top_k, top_p, ignore_eos in ((-1, 1.0, False), (20, 0.8, False), (-1, 1.0, True)):
+    for top_k, top_p, ignore_eos in ((-1, 1.0, False), (0, 1.0, False), (20, 0.8, False), (-1, 1.0, True)):
         sampling = Sampling(max_tokens=12, temperature=0.7, top_k=top_k, top_p=top_p, ignore_eos=ignore_eos)
         tokens, log_probs = engine.generate(prompts, sampling, seed=5)
         for prompt, response, got in zip(prompts, tokens, log_probs):
