@@ -7,7 +7,8 @@ already runs decides who was first, and the others wait for its report to be wri
 os._exit. torchrun then stops the other ranks (and a rank blocked in a collective with the dead one gets an error
 from gloo/NCCL within the collective timeout).
 
-    failures.watch_parent()                                  # a rank whose torchrun is gone exits too
+    failures.watch_parent(LAUNCHER_PID)                      # a rank whose torchrun is gone exits too
+    failures.raise_on_sigterm()                              # SIGTERM is reported and stops every rank
     dist.init_process_group(backend, timeout=failures.COLLECTIVE_TIMEOUT)
     ...
     except BaseException as err:
@@ -22,6 +23,7 @@ Left out: restarting failed ranks (torchrun --max-restarts does that, and auto-r
 """
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,9 +39,22 @@ FAILURE_KEY = "minirl/failures"
 REPORTED_KEY = "minirl/failure_reported"
 REPORT_WAIT = timedelta(seconds=10)    # how long a rank that failed second waits for the first to tell torchrun
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
 # Errors a collective raises on the surviving ranks when a peer has died: not a new failure, a consequence.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
               "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroup abort")
+
+
+class Terminated(BaseException):
+    """SIGTERM (what `timeout`, Slurm, Kubernetes and a SIGTERMed torchrun send) raised where the rank is, so it is
+    reported and stops every rank as Ctrl-C does, instead of ending this rank silently and leaving a peer's
+    "connection closed" to look like the cause."""
+
+
+def raise_on_sigterm():
+    def terminated(signum, frame):
+        raise Terminated()
+    signal.signal(signal.SIGTERM, terminated)
 
 
 class ReportedError(RuntimeError):
@@ -49,12 +64,19 @@ class ReportedError(RuntimeError):
     shown_traceback = None
 
 
-def watch_parent(poll_s=1.0):
+_watching = []
+
+
+def watch_parent(parent=None, poll_s=1.0):
     """Under torchrun, exit this process when its parent (torchrun's agent) is gone, e.g. SIGKILLed: workers
-    must never outlive the job (orphans would hold devices and ports)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    must never outlive the job (orphans would hold devices and ports, wait 10 minutes for a store that is gone,
+    or join a later job's store on the same port). `parent`: the launcher's pid as read when this process started
+    (minirl.LAUNCHER_PID, so a torchrun killed while this rank was still importing is noticed too); by default
+    the parent now. The first call starts the watch; later ones do nothing."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
         return
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
+    _watching.append(parent)
 
     def watch():
         while os.getppid() == parent:
@@ -141,7 +163,7 @@ def report(err, rank, expected=()):
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
               file=sys.stderr, flush=True)
         _wait_for_first_report()
-        return EXIT_INTERRUPTED if isinstance(err, KeyboardInterrupt) else 1
+        return _stop_code(err) or 1
     line, code = _summary(err, rank, expected)
     print(line, file=sys.stderr, flush=True)
     tell_torchrun(line, failed_at)
@@ -151,8 +173,9 @@ def report(err, rank, expected=()):
 
 def _summary(err, rank, expected):
     """The first failing rank's one-line report and exit code (a traceback worth reading is printed first)."""
-    if isinstance(err, KeyboardInterrupt):
-        return f"rank {rank}: interrupted; stopping every rank", EXIT_INTERRUPTED
+    if _stop_code(err):
+        how = "interrupted" if isinstance(err, KeyboardInterrupt) else "terminated (SIGTERM)"
+        return f"rank {rank}: {how}; stopping every rank", _stop_code(err)
     for cls, prefix, code in expected:
         if isinstance(err, cls):
             return f"{prefix}: {err}", code
@@ -164,6 +187,11 @@ def _summary(err, rank, expected):
     traceback.print_exception(type(err), err, err.__traceback__)
     first_line = (str(err).splitlines() or [""])[0]
     return f"error: rank {rank} failed with {type(err).__name__}: {first_line[:300]} (traceback above)", 1
+
+
+def _stop_code(err):
+    """The exit code of a rank told to stop (Ctrl-C: 130, SIGTERM: 143), None for a failure."""
+    return {KeyboardInterrupt: EXIT_INTERRUPTED, Terminated: EXIT_TERMINATED}.get(type(err))
 
 
 def exit_now(code):

@@ -42,6 +42,10 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+# torchrun's agent, read before the slow imports below: a torchrun killed while this rank is still importing must be
+# noticed too (failures.watch_parent); else the rank waits 10 minutes for its store, or joins a later job's
+LAUNCHER_PID = os.getppid()
+
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -706,6 +710,7 @@ def print_config(cfg, world_size, source):
 
 
 def main(argv=None):
+    failures.watch_parent(LAUNCHER_PID)
     args = parse_args(argv)
     if args.plot:
         plot(args.plot)
@@ -745,6 +750,7 @@ def train(cfg):
     several ranks the process ends here instead, with that code, success included."""
     known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
     trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
+    failures.raise_on_sigterm()
     try:
         if offpolicy.is_rollout_rank(cfg):        # split devices: this rank generates (offpolicy.py)
             trainer = offpolicy.RolloutServer(cfg, *pick_device(cfg.trainer.device))
@@ -753,7 +759,7 @@ def train(cfg):
         # a ValueError now is a bug: traceback
         expected = known + [(TrainingDiverged, "training stopped", 3), (TooFewVariedGroups, "training stopped", 3)]
         trainer.fit()
-    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
+    except BaseException as err:                     # Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated) too
         rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         return failures.exit_now(failures.report(err, rank, expected))
     several_ranks = dist.is_initialized() and dist.get_world_size() > 1      # close() ends torch.distributed

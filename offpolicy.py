@@ -128,12 +128,12 @@ class Bridge:
 def init_process_groups(cfg, backend):
     """Join torchrun's store; make this rank's default group (trainer or rollout world) and the bridge. On a
     rollout rank RANK/WORLD_SIZE become the rollout world's (vLLM's external launcher reads them)."""
+    failures.watch_parent()          # first: the rendezvous waits on torchrun's store (no-op once started)
     store, rank, world = next(dist.rendezvous("env://"))
     store.set_timeout(failures.COLLECTIVE_TIMEOUT)
     trainers = world - rollout_ranks(cfg)
     role, local, size = ("trainer", rank, trainers) if rank < trainers else ("rollout", rank - trainers,
                                                                                 world - trainers)
-    failures.watch_parent()
     dist.init_process_group(backend, store=dist.PrefixStore(f"minirl/{role}", store), rank=local, world_size=size,
                             timeout=failures.COLLECTIVE_TIMEOUT)
     if role == "rollout":

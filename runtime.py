@@ -61,8 +61,8 @@ def init_distributed(device_type, backend):
         device = torch.device(device_type, local_rank)
         getattr(torch, device_type).set_device(device)
     if not dist.is_initialized():
+        failures.watch_parent()          # first: joining the group waits on torchrun's store (no-op once started)
         dist.init_process_group(backend=backend, timeout=failures.COLLECTIVE_TIMEOUT)
-        failures.watch_parent()
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -95,6 +95,58 @@ def test_sigint_to_one_worker_ends_every_rank(demo_dir, tmp_path):
     assert "minirl.py\", line" not in output, output[-4000:]        # one line, no traceback of ours
 
 
+def test_sigterm_to_one_worker_is_reported_and_names_that_rank_as_the_cause(demo_dir, tmp_path):
+    """SIGTERM (timeout, Slurm, Kubernetes) to rank 1 inside its reward function while rank 0 waits for it: rank 1
+    says so once, and torchrun's closing report names it, not rank 0's lost connection."""
+    body = ('    if rank == 1:\n        open(os.path.join(marker, "pid1"), "w").write(str(os.getpid()))\n'
+            '        time.sleep(300)')
+    proc = start(demo_dir, tmp_path, body)
+    wait_for([tmp_path / "pid1"])
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+    code, output = finish(proc)
+    assert code != 0
+    assert output.count("rank 1: terminated (SIGTERM); stopping every rank") == 2, output[-4000:]  # ours, torchrun's
+    assert "traceback : rank 1: terminated (SIGTERM)" in output, output[-4000:]
+    assert "rank 0: stopped as well" in output and "Connection closed" not in output, output[-4000:]
+
+
+def test_workers_never_outlive_a_torchrun_killed_while_they_start(demo_dir, tmp_path):
+    """torchrun SIGKILLed while its workers are still importing: they must notice once they can (before they
+    would wait 10 minutes for its store), not outlive it."""
+    proc = start(demo_dir, tmp_path, "")
+    deadline = time.time() + 30
+    workers = []
+    while len(workers) < 2 and time.time() < deadline:
+        workers = _children(proc.pid)
+        time.sleep(0.05)
+    assert len(workers) == 2, "torchrun started no workers"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)                # not communicate: an orphan would hold the output pipes open
+    deadline = time.time() + BOUND_S
+    alive = workers
+    while alive and time.time() < deadline:
+        alive = [pid for pid in workers if _alive(pid)]
+        time.sleep(0.2)
+    for pid in alive:                                    # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert not alive, f"workers {alive} outlived torchrun"
+
+
+def _children(pid):
+    """The pids whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().split(")")[-1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def test_workers_never_outlive_a_killed_torchrun(demo_dir, tmp_path):
     body = ('    open(os.path.join(marker, f"pid{rank}"), "w").write(str(os.getpid()))\n'
             '    time.sleep(300)')
