@@ -212,9 +212,29 @@ _NEST_OPEN = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.Fl
 _NEST_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key written twice in one mapping: yaml would keep the last one silently
+    (a second `data:` section would replace the first whole); OmegaConf, which verl reads its yamls with, refuses
+    it too."""
+
+    source = "the yaml"
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in lines:
+                raise ConfigError(f"{self.source}: key '{key}' is written twice in one mapping (lines {lines[key]} "
+                                  f"and {line}); keep one (yaml would silently take the last)")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def parse_yaml(text, source):
-    """yaml.safe_load(text) after a token scan (iterative, so it cannot recurse) that refuses nesting deeper than
-    MAX_DEPTH and tags; then a bounded copy that refuses alias bombs, self-references and non-string keys."""
+    """yaml.safe_load(text), refusing duplicate keys, after a token scan (iterative, so it cannot recurse) that
+    refuses nesting deeper than MAX_DEPTH and tags; then a bounded copy that refuses alias bombs, self-references
+    and non-string keys."""
     depth = 0
     try:
         for token in yaml.scan(text):
@@ -227,7 +247,12 @@ def parse_yaml(text, source):
             elif isinstance(token, yaml.TagToken):
                 raise ConfigError(f"{source}: yaml tags ({''.join(filter(None, token.value))}) are not accepted; "
                                   f"write a plain value (quote it to keep it a string)")
-        tree = yaml.safe_load(text)
+        loader = _UniqueKeyLoader(text)
+        loader.source = source
+        try:
+            tree = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

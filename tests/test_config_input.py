@@ -69,6 +69,10 @@ def _bomb():
     ("backend_config: 8\n", r"'backend_config' must be a mapping of verl's sections, got 8"),
     ("data:\n  train_batch_size: [1, 2\n", r"is not valid yaml: expected ',' or '\]'.* at line 3, column 1"),
     ("data:\n\ttrain_batch_size: 8\n", r"at line 2, column 1; indent with spaces \(yaml does not allow tabs\)"),
+    ("data:\n  train_batch_size: 16\n  max_prompt_length: 8\n  train_batch_size: 32\n",
+     r"key 'train_batch_size' is written twice in one mapping \(lines 2 and 4\); keep one"),
+    ("data:\n  train_files: a.parquet\ntrainer:\n  seed: 1\ndata:\n  val_files: b.parquet\n",
+     r"key 'data' is written twice in one mapping \(lines 1 and 5\)"),
 ])
 def test_malformed_config_file_is_a_config_error_naming_it(paths, content, pattern):
     path = paths["dir"] / "bad.yaml"
