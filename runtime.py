@@ -179,9 +179,23 @@ def check_output_folders(cfg, rank):
         except OSError as error:
             raise ConfigError(f"{key}={folder!r} is not a folder minirl can write to ({error.strerror or error}); "
                               f"point it at a writable folder") from None
+    _check_run_entries(Path(cfg.af_output_dir))
 
 
 RUN_LOCK = ".minirl_run.lock"
+# what a run opens inside af_output_dir (claim_output_folder; tracking.Tracker's log and TensorBoard events)
+RUN_ENTRIES = {RUN_LOCK: "file", "metrics.jsonl": "file", "tensorboard": "folder"}
+
+
+def _check_run_entries(folder):
+    """An entry of af_output_dir that the run will open, there already as the wrong kind (a folder where the log
+    file goes, a file where TensorBoard's folder goes): named now, not an OSError once the models have loaded."""
+    for name, kind in RUN_ENTRIES.items():
+        path = folder / name
+        found = "folder" if path.is_dir() else "file" if path.exists() else None
+        if found and found != kind:
+            raise ConfigError(f"af_output_dir: {str(path)!r} is a {found}, where the run keeps its {name} {kind}; "
+                              f"move it away or give this run another af_output_dir")
 
 
 def claim_output_folder(folder):

@@ -103,6 +103,23 @@ def test_an_hdfs_output_folder_is_refused_naming_the_key(tmp_path, monkeypatch, 
     assert not (tmp_path / "hdfs:").exists()
 
 
+@pytest.mark.parametrize("name, kind", [("metrics.jsonl", "folder"), (".minirl_run.lock", "folder"),
+                                        ("tensorboard", "file")])
+def test_an_output_entry_of_the_wrong_kind_is_named_before_models_load(tmp_path, name, kind):
+    """Found: a folder named metrics.jsonl (or .minirl_run.lock), a file named tensorboard, gave an OSError
+    traceback after the models had loaded."""
+    from config import ConfigError
+    from runtime import check_output_folders
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).mkdir() if kind == "folder" else (run / name).touch()
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml", [f"af_output_dir={run}"],
+                      check_paths=False)
+    with pytest.raises(ConfigError, match=rf"af_output_dir: '{re.escape(str(run / name))}' is a {kind}, where the "
+                                          r"run keeps its .* move it away or give this run another af_output_dir"):
+        check_output_folders(cfg, rank=0)
+
+
 HOLD_THE_FOLDER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
