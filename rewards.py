@@ -251,7 +251,7 @@ def needs_ground_truth(fn):
 
 def check_rows(fn, rows, reward_fn_key="data_source"):
     """Before any model loads: every row's `reward_fn_key` value names a data source `fn` can score and, unless
-    fn declares otherwise, the row has a ground truth. rows: [(where, row dict)], where = "file, row N"; fn None
+    fn declares otherwise, the row has a ground truth (for the built-in rewards, text or a number, not bytes). rows: [(where, row dict)], where = "file, row N"; fn None
     (a reward model scores) checks the column only. Raises ValueError naming the first bad row and the fix."""
     for where, row in rows:
         if reward_fn_key not in row:
@@ -273,6 +273,9 @@ def check_rows(fn, rows, reward_fn_key="data_source"):
             raise ValueError(f"{where}: reward_model.ground_truth is missing (data_source={source!r}), so the rule "
                              f"reward could only score the format; add the answers to the data, or use a custom "
                              f"reward function that declares `compute_score.needs_ground_truth = False`")
+        if fn is default_compute_score and isinstance(truth, bytes):
+            raise ValueError(f"{where}: reward_model.ground_truth is bytes ({truth[:40]!r}), which the built-in "
+                             f"rewards, comparing text, would score wrong every time; store the answers as strings")
 
 
 @contextmanager

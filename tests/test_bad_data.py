@@ -65,6 +65,16 @@ def test_rows_the_built_in_rewards_cannot_score_are_named(tmp_path, tokenizer, c
     assert f"{path}, {message}" in str(info.value)
 
 
+def test_answers_stored_as_bytes_are_named_for_the_built_in_rewards(tmp_path, tokenizer):
+    """Found: a ground_truth column of bytes trained, every answer scored wrong (b'5' is not '5')."""
+    as_bytes = [dict(row, reward_model={"style": "rule", "ground_truth": row["reward_model"]["ground_truth"].encode()})
+                for row in demo_rows()]
+    path, rows = dataset_rows(tmp_path, tokenizer, as_bytes)
+    with pytest.raises(ValueError, match=re.escape(f"{path}, row 0: reward_model.ground_truth is bytes (b'")):
+        check_rows(default_compute_score, rows)
+    check_rows(custom(), rows)                                  # a custom function may take bytes
+
+
 def test_a_good_file_passes_and_other_reward_fn_keys_work(tmp_path, tokenizer):
     _, rows = dataset_rows(tmp_path, tokenizer, demo_rows())
     check_rows(default_compute_score, rows)
