@@ -900,7 +900,7 @@ def _check_paths(cfg):
                 continue
             path = Path(item)
             try:
-                found, right_kind = path.exists(), path.is_dir() if folder else path.is_file() or path.is_dir()
+                found, right_kind = path.exists(), path.is_dir() if folder else path.is_file()
             except OSError as err:       # e.g. a name longer than the file system allows
                 raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' cannot be used: "
                                   f"{err.strerror or err}") from None
@@ -908,8 +908,7 @@ def _check_paths(cfg):
                 hint = _hub_hint(item) if folder else ""
                 raise ConfigError(f"config key '{dotted}': path '{_cut(item)}' does not exist{hint}")
             if not right_kind:
-                raise ConfigError(f"config key '{dotted}': '{_cut(item)}' is not a "
-                                  f"{'folder' if folder else 'file or folder'}")
+                raise ConfigError(f"config key '{dotted}': '{_cut(item)}' is not a {'folder' if folder else 'file'}")
 
     exists("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path, folder=True)
     exists("data.train_files", cfg.data.train_files, folder=False)

@@ -32,7 +32,8 @@ def load(paths, *overrides):
     ("data.train_files=[[1]]", r"'data.train_files' must be str or a list of str, got \[\[1\]\]"),
     ("data.train_files=[a.parquet, 3]", r"'data.train_files' must be str or a list of str"),
     ("data.train_files=/" + "a" * 300, r"'data.train_files': path '/a+\.\.\.' cannot be used: File name too long"),
-    ("data.train_files=/dev/null", r"'data.train_files': '/dev/null' is not a file or folder"),
+    ("data.train_files=/dev/null", r"'data.train_files': '/dev/null' is not a file"),
+    ("data.train_files=[/tmp]", r"'data.train_files': '/tmp' is not a file"),      # a folder is no parquet file
     ("backend_config=8", r"override 'backend_config=8': 'backend_config' must be a mapping"),
     ("trainer=3", r"config key 'trainer' .* must be a mapping of keys, got 3"),
     ("a..b=3", r"override 'a..b=3' has a malformed key 'a..b'"),
