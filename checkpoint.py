@@ -441,12 +441,7 @@ def validate(step_dir, world_size, roles):
         raise CheckpointError(f"'{step_dir}' {state}: trainer.resume_from_path must name a .../global_step_N "
                               f"folder written by minirl")
     manifest = read_manifest(step_dir)
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"checkpoint '{step_dir}' was written by {manifest['world_size']} ranks and this run has {world_size}: "
-            f"its shards only load with the same world size. Resume with --nproc_per_node "
-            f"{manifest['world_size']}, or export it (python minirl.py --export {step_dir} OUT) and start a new run "
-            f"with actor_rollout_ref.model.path=OUT")
+    _check_world_size(step_dir, manifest, world_size)
     for name, layout in roles.items():
         if name not in manifest["roles"]:
             raise CheckpointError(f"checkpoint '{step_dir}' has no '{name}' model (it has "
@@ -466,6 +461,33 @@ def validate(step_dir, world_size, roles):
                                   f"fsdp_size ({saved_ranks} ranks, or -1 for all), or export it (python minirl.py "
                                   f"--export {step_dir} OUT) and start a new run from OUT")
     return manifest
+
+
+def _check_world_size(step_dir, manifest, world_size):
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint '{step_dir}' was written by {manifest['world_size']} ranks and this run has {world_size}: "
+            f"its shards only load with the same world size. Resume with --nproc_per_node "
+            f"{manifest['world_size']}, or export it (python minirl.py --export {step_dir} OUT) and start a new run "
+            f"with actor_rollout_ref.model.path=OUT")
+
+
+def check_world_size_before_loading(cfg, world_size):
+    """Before any model loads: the checkpoint a resume would read (resume_from_path's, or auto's newest complete
+    one by the sizes in its manifest) was written by as many ranks as this run has, since only then do its shards
+    load; not minutes later, once the models and the rollout engine have started. The rest is checked when the
+    models exist (validate, with the checksums)."""
+    trainer = cfg.trainer
+    if trainer.resume_mode == "disable":
+        return
+    if trainer.resume_mode == "resume_path":
+        candidates = [Path(trainer.resume_from_path)] if trainer.resume_from_path else []
+    else:
+        candidates = [path for _, path in step_dirs(trainer.default_local_dir)]
+    for step_dir in candidates:
+        if STEP_DIR.match(step_dir.name) and problems(step_dir, checksums=False) is None:
+            _check_world_size(step_dir, json.loads((step_dir / MANIFEST).read_text()), world_size)
+            return
 
 
 def _lora_rank(layout):

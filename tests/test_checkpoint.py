@@ -428,11 +428,19 @@ def test_a_lora_setting_that_differs_from_the_checkpoints_is_named(ckpt_copy):
         checkpoint.validate(step, 2, {"actor": checkpoint.param_layout(lora_model)})
 
 
-def test_other_world_size_is_refused_by_the_trainer(run_a, demo_dir, data_file, tmp_path):
+@pytest.mark.parametrize("mode", ["resume_path", "auto"])
+def test_other_world_size_is_refused_by_the_trainer_before_models_load(run_a, demo_dir, data_file, tmp_path, mode):
+    """The model's weights file is unreadable here: a run that loaded its models before the check would fail on that
+    instead."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", model)
+    (model / "model.safetensors").write_bytes(b"not weights")
     step = run_a / "checkpoints" / "global_step_4"
+    where = ([f"trainer.resume_from_path={step}"] if mode == "resume_path"
+             else [f"trainer.default_local_dir={run_a / 'checkpoints'}"])
     result = run(torchrun_cmd(1, "minirl.py", "--config", ROOT / "config.yaml",
-                              *run_overrides(demo_dir, data_file, tmp_path, "trainer.resume_mode=resume_path",
-                                             f"trainer.resume_from_path={step}")), expect_rc=1)
+                              *run_overrides(demo_dir, data_file, tmp_path / "out", f"trainer.resume_mode={mode}",
+                                             *where, f"actor_rollout_ref.model.path={model}")), expect_rc=1)
     assert "checkpoint error" in result.stderr and "written by 2 ranks and this run has 1" in result.stderr
 
 
