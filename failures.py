@@ -158,11 +158,13 @@ def report(err, rank, expected=()):
     for errors whose message is the whole story (bad config, data or checkpoint): one line, no traceback.
     Anything else prints its traceback and a one-line summary. Only the first failing rank prints in full."""
     failed_at = time.time()
+    # a rank that is reporting finishes its report: torchrun sends SIGTERM to the others once the first one exits
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not _first_to_fail():
+        _wait_for_first_report()       # first, so this line comes after that report, not before it or inside it
         why = "the other ranks stopped" if caused_by_a_dead_peer(err) else f"{type(err).__name__}"
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
               file=sys.stderr, flush=True)
-        _wait_for_first_report()
         return _stop_code(err) or 1
     line, code = _summary(err, rank, expected)
     print(line, file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import tempfile
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,19 +371,22 @@ def check_model_fits_vllm(cfg, device_type):
     """Before any model loads, what vLLM would refuse only when it starts (after the trainer's models have
     loaded): on CPU a head size its kernel lacks; a max_model_len past the model's max_position_embeddings (vLLM
     derives its limit from config.json and refuses longer ones unless the rope is scaled); a step budget
-    (max_num_batched_tokens, as the engine gets it) under max_num_seqs."""
+    (max_num_batched_tokens, as the engine gets it) under max_num_seqs. With the hf engine a sequence past
+    max_position_embeddings is only warned about: generate and the training forward run it, on positions the
+    model never saw."""
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
-    if rollout.name != "vllm":
-        return
-    if device_type == "cpu":
+    if rollout.name == "vllm" and device_type == "cpu":
         check_cpu_head_dim(model.path, model.trust_remote_code)
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-    config = getattr(config, "text_config", None) or config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    scaled = (rope.get("rope_type") or rope.get("type") or "default") not in ("default", "mrope")
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and not scaled and rollout.max_model_len > limit:
+    limit = unscaled_position_limit(model.path, model.trust_remote_code)
+    too_long = limit and rollout.max_model_len > limit
+    if rollout.name != "vllm":
+        if too_long:
+            warnings.warn(f"sequences of up to {rollout.max_model_len} tokens (data.max_prompt_length + "
+                          f"data.max_response_length, or rollout.max_model_len) are longer than the "
+                          f"max_position_embeddings {limit} of {model.path}: positions past it are extrapolated",
+                          stacklevel=2)
+        return
+    if too_long:
         raise ConfigError(f"'actor_rollout_ref.rollout.max_model_len'={rollout.max_model_len} (when unset: "
                           f"data.max_prompt_length + data.max_response_length) is more than the "
                           f"max_position_embeddings {limit} of {model.path}, which vLLM refuses: lower it to {limit} "
@@ -393,6 +397,17 @@ def check_model_fits_vllm(cfg, device_type):
                           f"budget, from actor_rollout_ref.rollout.max_num_batched_tokens) under max_num_seqs="
                           f"{engine['max_num_seqs']} (actor_rollout_ref.rollout.max_num_seqs), which it refuses: "
                           f"raise the first or lower the second")
+
+
+def unscaled_position_limit(model_path, trust_remote_code=False):
+    """config.json's max_position_embeddings, or None where the rope is scaled (the model is meant to run past
+    it) or the config has none."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = (rope.get("rope_type") or rope.get("type") or "default") not in ("default", "mrope")
+    return None if scaled else getattr(config, "max_position_embeddings", None)
 
 
 def check_cpu_head_dim(model_path, trust_remote_code=False):
