@@ -109,18 +109,7 @@ def test_workers_never_outlive_a_torchrun_killed_while_they_start(demo_dir, tmp_
         workers = _children(proc.pid)
         time.sleep(0.05)
     assert len(workers) == 2, "torchrun started no workers"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)                # not communicate: an orphan would hold the output pipes open
-    deadline = time.time() + BOUND_S
-    alive = workers
-    while alive and time.time() < deadline:
-        alive = [pid for pid in workers if _alive(pid)]
-        time.sleep(0.2)
-    for pid in alive:                                    # clean up before failing
-        os.kill(pid, signal.SIGKILL)
-    proc.stdout.close()
-    proc.stderr.close()
-    assert not alive, f"workers {alive} outlived torchrun"
+    assert not workers_left_after_killing(proc, workers, BOUND_S), "workers outlived torchrun"
 
 
 def _children(pid):
@@ -143,16 +132,24 @@ def test_workers_never_outlive_a_killed_torchrun(demo_dir, tmp_path):
     pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
     wait_for(pid_files)
     workers = [int(p.read_text()) for p in pid_files]
-    proc.send_signal(signal.SIGKILL)                    # torchrun itself (the workers are its children)
-    proc.communicate(timeout=30)
-    deadline = time.time() + 30
+    assert not workers_left_after_killing(proc, workers, 30), "workers outlived torchrun"
+
+
+def workers_left_after_killing(proc, workers, wait_s):
+    """SIGKILL torchrun itself (the workers are its children) and return the workers still alive after wait_s,
+    killed then so nothing outlives the test."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)                # not communicate: an orphan would hold the output pipes open
+    deadline = time.time() + wait_s
     alive = workers
     while alive and time.time() < deadline:
         alive = [pid for pid in workers if _alive(pid)]
         time.sleep(0.2)
-    for pid in alive:                                    # clean up before failing
+    for pid in alive:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, f"workers {alive} outlived torchrun"
+    proc.stdout.close()
+    proc.stderr.close()
+    return alive
 
 
 def _alive(pid):
