@@ -8,7 +8,7 @@ os._exit. torchrun then stops the other ranks (and a rank blocked in a collectiv
 from gloo/NCCL within the collective timeout).
 
     failures.watch_parent(LAUNCHER_PID)                      # a rank whose torchrun is gone exits too
-    failures.raise_on_sigterm()                              # SIGTERM is reported and stops every rank
+    failures.report_sigterm()                                # SIGTERM is reported and stops every rank
     dist.init_process_group(backend, timeout=failures.COLLECTIVE_TIMEOUT)
     ...
     except BaseException as err:
@@ -38,23 +38,40 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("MINIRL_COLLECTIVE_T
 FAILURE_KEY = "minirl/failures"
 REPORTED_KEY = "minirl/failure_reported"
 REPORT_WAIT = timedelta(seconds=10)    # how long a rank that failed second waits for the first to tell torchrun
+# This process's rank in torchrun's job, as torchrun started it: on split devices a rollout rank later takes its
+# own world's RANK (for vLLM), but reports name the rank torchrun knows.
+TORCHRUN_RANK = int(os.environ.get("RANK", "0"))
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 128 + signal.SIGTERM
 # Errors a collective raises on the surviving ranks when a peer has died: not a new failure, a consequence.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
-              "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroup abort")
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_PEER_GONE = _PEER_DIED + ("Socket Timeout", "Timed out", "timed out", "NCCL communicator was aborted",
+                           "ProcessGroup abort")
 
 
 class Terminated(BaseException):
-    """SIGTERM (what `timeout`, Slurm, Kubernetes and a SIGTERMed torchrun send) raised where the rank is, so it is
-    reported and stops every rank as Ctrl-C does, instead of ending this rank silently and leaving a peer's
-    "connection closed" to look like the cause."""
+    """SIGTERM (what `timeout`, Slurm, Kubernetes and a SIGTERMed torchrun send), as report_sigterm reports it:
+    instead of ending this rank silently and leaving a peer's "connection closed" to look like the cause."""
 
 
-def raise_on_sigterm():
-    def terminated(signum, frame):
-        raise Terminated()
-    signal.signal(signal.SIGTERM, terminated)
+def report_sigterm():
+    """Under torchrun, SIGTERM is reported and stops every rank as Ctrl-C does, by a thread of its own: Python's C
+    signal handler writes each signal's number to a wakeup pipe (signal.set_wakeup_fd), which this thread reads,
+    so the report comes even while the main thread waits inside a collective, where a Python-level handler would
+    not run until the wait ended (a rollout rank waiting for its next request: never)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)     # caught (by Python's C handler), not fatal
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def wait():
+        while signal.SIGTERM not in os.read(read_fd, 64):         # other signals (Ctrl-C) go their usual way
+            pass
+        leave(report(Terminated(), TORCHRUN_RANK))
+
+    threading.Thread(target=wait, name="minirl-sigterm", daemon=True).start()
 
 
 class ReportedError(RuntimeError):
@@ -81,18 +98,33 @@ def watch_parent(parent=None, poll_s=1.0):
     def watch():
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"rank {os.environ.get('RANK', '?')}: torchrun (pid {parent}) is gone; exiting", file=sys.stderr,
-              flush=True)
+        print(f"rank {TORCHRUN_RANK}: torchrun (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="minirl-parent-watch", daemon=True).start()
 
 
+_split_job = {}        # split devices: torchrun's own store and world size (use_job_store)
+
+
+def use_job_store(store, world_size):
+    """Split devices (offpolicy.init_process_groups): the trainer and the rollout ranks each get a default process
+    group of their own, over a prefixed store, so failures are counted, and "several ranks" judged, over torchrun's
+    whole job, in its own store, or every side would think it failed first."""
+    _split_job.update(store=store, world_size=world_size)
+
+
+def _job_world_size():
+    if _split_job:
+        return _split_job["world_size"]
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _job_store():
     """torchrun's key-value store, when this rank is one of several (None otherwise)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _job_world_size() == 1:
         return None
-    store = dist.distributed_c10d._get_default_store()
+    store = _split_job.get("store") or dist.distributed_c10d._get_default_store()
     store.set_timeout(timedelta(seconds=5))
     return store
 
@@ -128,12 +160,12 @@ def _wait_for_first_report():
         pass                   # the first rank died before reporting, or the store is gone: nothing to wait for
 
 
-def caused_by_a_dead_peer(err):
-    text = str(err)
-    return isinstance(err, (dist.DistBackendError, RuntimeError)) and any(s in text for s in _PEER_GONE)
+def caused_by_a_dead_peer(err, phrases=_PEER_GONE):
+    """A collective's error on a surviving rank: a peer is gone (or, with _PEER_DIED, closed its connection)."""
+    return isinstance(err, (dist.DistBackendError, RuntimeError)) and any(s in str(err) for s in phrases)
 
 
-def tell_torchrun(line, failed_at):
+def tell_torchrun(line, failed_at, cause=True):
     """torchrun ends a failed job with its own report, whose 'Root Cause' block shows the failing rank's error file
     (TORCHELASTIC_ERROR_FILE, set per worker), else only a link to torch's docs. Write our one line there, so the
     last thing the user reads names the error. failed_at: time.time() when this rank failed, before any other rank
@@ -142,9 +174,10 @@ def tell_torchrun(line, failed_at):
     if not path:
         return
     # torchrun takes the rank with the smallest timestamp as the root cause and stamps ranks without a file with its
-    # own clock when it sees them exit, in whole seconds; a tie goes to the lowest rank, so this one is stamped a
-    # second before it failed
-    stamp = int(failed_at) - 1
+    # own clock when it sees them exit, in whole seconds; a tie goes to the lowest rank, so a cause is stamped a
+    # second before it failed, and a rank that only saw another die (cause=False) two seconds after (torchrun may
+    # see the dead one a moment after this rank did, across a second's boundary)
+    stamp = int(failed_at) - 1 if cause else int(failed_at) + 2
     try:
         with open(path, "w") as f:
             # torch's own format (elastic's ErrorHandler.record_exception), the line standing in for the traceback
@@ -153,19 +186,29 @@ def tell_torchrun(line, failed_at):
         pass                         # the report on stderr stands without it
 
 
+_reporting = threading.Lock()
+
+
 def report(err, rank, expected=()):
     """Print `err` for the job and return the exit code. `expected`: ((exception class, prefix, exit code), ...)
     for errors whose message is the whole story (bad config, data or checkpoint): one line, no traceback.
     Anything else prints its traceback and a one-line summary. Only the first failing rank prints in full."""
+    if not _reporting.acquire(blocking=False):   # the SIGTERM thread and the main thread both failing: the first
+        threading.Event().wait()                  # report ends the process
     failed_at = time.time()
-    # a rank that is reporting finishes its report: torchrun sends SIGTERM to the others once the first one exits
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not _first_to_fail():
         _wait_for_first_report()       # first, so this line comes after that report, not before it or inside it
         why = "the other ranks stopped" if caused_by_a_dead_peer(err) else f"{type(err).__name__}"
         print(f"rank {rank}: stopped as well ({why}); the first failure is reported by the rank that had it",
               file=sys.stderr, flush=True)
         return _stop_code(err) or 1
+    if caused_by_a_dead_peer(err, _PEER_DIED):     # a peer ended without a word (kill -9, out of memory): its fault
+        line = (f"rank {rank}: stopped: another rank closed its connection without reporting an error (killed, or "
+                f"out of memory?); torchrun's report names the rank that ended first")
+        print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line, failed_at, cause=False)
+        _mark_reported()
+        return 1
     line, code = _summary(err, rank, expected)
     print(line, file=sys.stderr, flush=True)
     tell_torchrun(line, failed_at)
@@ -199,7 +242,7 @@ def _stop_code(err):
 def exit_now(code):
     """End this process now when other ranks exist (no atexit handlers, no process-group teardown: both could
     wait for ranks that will never answer); with one process, return the code to the caller."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _job_world_size() > 1:
         leave(code)
     return code
 

@@ -751,7 +751,7 @@ def train(cfg):
     several ranks the process ends here instead, with that code, success included."""
     known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
     trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
-    failures.raise_on_sigterm()
+    failures.report_sigterm()
     try:
         if offpolicy.is_rollout_rank(cfg):        # split devices: this rank generates (offpolicy.py)
             trainer = offpolicy.RolloutServer(cfg, *pick_device(cfg.trainer.device))
@@ -760,9 +760,8 @@ def train(cfg):
         # a ValueError now is a bug: traceback
         expected = known + [(TrainingDiverged, "training stopped", 3), (TooFewVariedGroups, "training stopped", 3)]
         trainer.fit()
-    except BaseException as err:                     # Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated) too
-        rank = trainer.rank if trainer is not None else int(os.environ.get("RANK", "0"))
-        return failures.exit_now(failures.report(err, rank, expected))
+    except BaseException as err:                                    # Ctrl-C (KeyboardInterrupt) too
+        return failures.exit_now(failures.report(err, failures.TORCHRUN_RANK, expected))
     several_ranks = dist.is_initialized() and dist.get_world_size() > 1      # close() ends torch.distributed
     trainer.close()
     if several_ranks:

@@ -131,6 +131,7 @@ def init_process_groups(cfg, backend):
     failures.watch_parent()          # first: the rendezvous waits on torchrun's store (no-op once started)
     store, rank, world = next(dist.rendezvous("env://"))
     store.set_timeout(failures.COLLECTIVE_TIMEOUT)
+    failures.use_job_store(store, world)
     trainers = world - rollout_ranks(cfg)
     role, local, size = ("trainer", rank, trainers) if rank < trainers else ("rollout", rank - trainers,
                                                                                 world - trainers)
@@ -221,7 +222,7 @@ class RolloutServer:
     def __init__(self, cfg, device_type, backend):
         from transformers import AutoTokenizer
         self.cfg = cfg
-        self.rank = int(os.environ["RANK"])                 # torchrun's rank (failure reports name it)
+        self.rank = failures.TORCHRUN_RANK                  # torchrun's rank (failure reports name it)
         self.bridge = init_process_groups(cfg, backend)
         self.local_rank, self.world_size = dist.get_rank(), dist.get_world_size()      # in the rollout world
         device = _local_device(device_type)

@@ -40,9 +40,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return path
 
 
-def start(demo_dir, tmp_path, body):
+def start(demo_dir, tmp_path, body, *extra):
     reward = reward_file(tmp_path, body)
-    return subprocess.Popen(torchrun_cmd(2, "minirl.py", *overrides(demo_dir, tmp_path / "out", reward)), cwd=ROOT,
+    return subprocess.Popen(torchrun_cmd(2, "minirl.py", *overrides(demo_dir, tmp_path / "out", reward), *extra),
+                            cwd=ROOT,
                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -97,6 +98,38 @@ def test_a_signal_to_one_worker_ends_every_rank_naming_that_rank(demo_dir, tmp_p
     assert f"traceback : rank 1: {said}" in output, output[-4000:]
     assert "minirl.py\", line" not in output, output[-4000:]        # one line, no traceback of ours
     assert "rank 0: stopped as well" in output and "Connection closed" not in output, output[-4000:]
+
+
+def test_sigterm_to_the_rollout_rank_of_a_split_run_is_reported_once_under_torchruns_rank(demo_dir, tmp_path):
+    """Split devices (1 trainer + 1 rollout rank): each side has a process group of its own, but a failure is
+    counted over torchrun's job, and the rollout rank names itself by torchrun's rank (not its own world's 0)."""
+    body = ('    open(os.path.join(marker, "pid0"), "w").write(str(os.getpid()))\n'
+            '    time.sleep(300)')
+    proc = start(demo_dir, tmp_path, body, "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1")
+    wait_for([tmp_path / "pid0"])                              # the trainer scores: the rollout rank waits
+    rollout_rank = next(pid for pid in _children(proc.pid) if pid != int((tmp_path / "pid0").read_text()))
+    os.kill(rollout_rank, signal.SIGTERM)
+    code, output = finish(proc)
+    assert code != 0
+    assert output.count("rank 1: terminated (SIGTERM); stopping every rank") == 2, output[-4000:]  # and torchrun's
+    assert "rank 0: stopped as well" in output, output[-4000:]
+    assert not re.search(r"(minirl|offpolicy)\.py\", line", output), output[-4000:]     # no traceback of ours
+
+
+def test_a_rank_killed_without_a_word_is_named_as_the_cause_not_the_one_that_lost_it(demo_dir, tmp_path):
+    """kill -9 (or the out-of-memory killer) on rank 1 while rank 0 waits for it in a collective: rank 0 says so in
+    one line, and torchrun's Root Cause block names rank 1."""
+    body = ('    if rank == 1:\n        open(os.path.join(marker, "pid1"), "w").write(str(os.getpid()))\n'
+            '        time.sleep(300)')
+    proc = start(demo_dir, tmp_path, body)
+    wait_for([tmp_path / "pid1"])
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    code, output = finish(proc)
+    assert code != 0
+    assert "rank 0: stopped: another rank closed its connection without reporting an error" in output, output[-4000:]
+    assert "minirl.py\", line" not in output, output[-4000:]
+    root_cause = output[output.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, root_cause
 
 
 def test_workers_never_outlive_a_torchrun_killed_while_they_start(demo_dir, tmp_path):
