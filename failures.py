@@ -54,6 +54,10 @@ class Terminated(BaseException):
     instead of ending this rank silently and leaving a peer's "connection closed" to look like the cause."""
 
 
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def report_sigterm():
     """Under torchrun, SIGTERM is reported and stops every rank as Ctrl-C does, by a thread of its own: Python's C
     signal handler writes each signal's number to a wakeup pipe (signal.set_wakeup_fd), which this thread reads,
@@ -63,7 +67,9 @@ def report_sigterm():
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)     # caught (by Python's C handler), not fatal
+    # caught, so Python's C handler writes to the pipe; should a library take the pipe over, the main thread still
+    # raises Terminated (report lets the first of the two report)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
     def wait():
