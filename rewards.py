@@ -250,9 +250,10 @@ def needs_ground_truth(fn):
 
 
 def check_rows(fn, rows, reward_fn_key="data_source"):
-    """Before any model loads: every row's `reward_fn_key` value names a data source `fn` can score and, unless
-    fn declares otherwise, the row has a ground truth (for the built-in rewards, text or a number, not bytes). rows: [(where, row dict)], where = "file, row N"; fn None
-    (a reward model scores) checks the column only. Raises ValueError naming the first bad row and the fix."""
+    """Before any model loads: every row's `reward_fn_key` value names a data source `fn` can score and, unless fn
+    declares otherwise, the row has a ground truth (for the built-in rewards, text or a number, not bytes).
+    rows: [(where, row dict)], where = "file, row N"; fn None (a reward model scores) checks the column only.
+    Raises ValueError naming the first bad row and the fix."""
     for where, row in rows:
         if reward_fn_key not in row:
             raise ValueError(f"{where}: data.reward_fn_key={reward_fn_key!r} names no column of this file "
