@@ -75,7 +75,8 @@ from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_bat
                      score_responses, token_level_scores)
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
                      sampling_seed, seed_everything, share_cpu)
-from rollout import Sampling, build_rollout, check_model_fits_vllm, pad_logprobs, responses_to_batch, rollout_probs_diff
+from rollout import (Sampling, build_rollout, check_model_fits_rollout, pad_logprobs, responses_to_batch,
+                     rollout_probs_diff)
 from to_verl import to_verl
 from tracking import (Tracker, data_metrics, memory_metrics, pick_validation_generations, plot, timing_metrics,
                       validation_metrics)
@@ -169,7 +170,7 @@ class Trainer:
                 agent.check_agent_names(rows, "data file")
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         lora.check_models(cfg)                        # LoRA targets that match no layer: likewise
-        check_model_fits_vllm(cfg, self.device.type)   # what vLLM would refuse once the models had loaded
+        check_model_fits_rollout(cfg, self.device.type)    # what vLLM would refuse once loaded; hf: a length warning
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.run_lock = claim_output_folder(cfg.af_output_dir) if self.rank == 0 else None   # one run per folder
         checkpoint.check_world_size_before_loading(cfg, self.world_size)   # shards load with as many ranks only

@@ -367,7 +367,7 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def check_model_fits_vllm(cfg, device_type):
+def check_model_fits_rollout(cfg, device_type):
     """Before any model loads, what vLLM would refuse only when it starts (after the trainer's models have
     loaded): on CPU a head size its kernel lacks; a max_model_len past the model's max_position_embeddings (vLLM
     derives its limit from config.json and refuses longer ones unless the rope is scaled); a step budget

@@ -447,26 +447,26 @@ def test_a_step_budget_under_max_num_seqs_is_a_config_error_where_vllm_would_get
     """Found passing verl's PPO example line with a 512-token budget (verl's max_num_seqs is 1024): vLLM's
     validation error came after every model had loaded. On CPU the budget is first raised to max_model_len (40
     here): 16 becomes 40, enough for 40 sequences but not for 41."""
-    from rollout import check_model_fits_vllm
+    from rollout import check_model_fits_rollout
     small = ["actor_rollout_ref.rollout.max_num_batched_tokens=16", "actor_rollout_ref.rollout.max_num_seqs=40"]
-    check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, *small), "cpu")
+    check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, *small), "cpu")
     with pytest.raises(ConfigError, match=r"vLLM would get max_num_batched_tokens=16 .* under max_num_seqs=40 "):
-        check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, *small), "cuda")
+        check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, *small), "cuda")
     one_more = vllm_config(tiny_model_dir, tmp_path, small[0], "actor_rollout_ref.rollout.max_num_seqs=41")
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens=40 .* under max_num_seqs=41 "):
-        check_model_fits_vllm(one_more, "cpu")
+        check_model_fits_rollout(one_more, "cpu")
 
 
 def test_the_hf_engine_warns_of_sequences_past_the_models_positions(tiny_model_dir, tmp_path):
     """Found: prompt + response past the demo model's 512 positions trained without a word with the hf engine."""
-    from rollout import check_model_fits_vllm
+    from rollout import check_model_fits_rollout
     with pytest.warns(UserWarning, match=r"sequences of up to 520 tokens .* longer than the max_position_embeddings "
                                          r"512 of .*: positions past it are extrapolated"):
-        check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.name=hf",
+        check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.name=hf",
                                           "data.max_prompt_length=512"), "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_model_fits_vllm(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.name=hf",
+        check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.name=hf",
                                           "data.max_prompt_length=504"), "cpu")     # 512 in all: fits
 
 
