@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import failures
 from config import ConfigError, get_dotted
+from tracking import METRICS_FILE, TENSORBOARD_DIR
 
 # ----------------------------------------------------------------------------------------------------------------
 # Devices, processes, seeds
@@ -184,7 +185,7 @@ def check_output_folders(cfg, rank):
 
 RUN_LOCK = ".minirl_run.lock"
 # what a run opens inside af_output_dir (claim_output_folder; tracking.Tracker's log and TensorBoard events)
-RUN_ENTRIES = {RUN_LOCK: "file", "metrics.jsonl": "file", "tensorboard": "folder"}
+RUN_ENTRIES = {RUN_LOCK: "file", METRICS_FILE: "file", TENSORBOARD_DIR: "folder"}
 
 
 def _check_run_entries(folder):

@@ -16,6 +16,9 @@ import numpy as np
 import psutil
 import torch
 
+METRICS_FILE = "metrics.jsonl"       # in af_output_dir, beside the TENSORBOARD_DIR folder
+TENSORBOARD_DIR = "tensorboard"
+
 
 class Tracker:
     """Where a step's metrics go (rank 0 only): metrics.jsonl always, the console, TensorBoard and wandb as
@@ -35,15 +38,16 @@ class Tracker:
             return
         out = Path(cfg.af_output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        logged = drop_rows_after(out / "metrics.jsonl", start_step)
+        logged = drop_rows_after(out / METRICS_FILE, start_step)
         self.last_step = max(logged, default=None)
-        self.jsonl = open(out / "metrics.jsonl", "a")
+        self.jsonl = open(out / METRICS_FILE, "a")
         self.tb = self.wandb = None
         self.generation_rows = []           # the wandb table of validation generations, one row per validation
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
             # resumed: TensorBoard hides what the killed run logged past the checkpoint, as this file does
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.tb = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR),
+                                    purge_step=start_step + 1 if start_step else None)
         if "wandb" in self.loggers:
             import wandb
             os.environ.setdefault("WANDB_MODE", "offline")
@@ -319,7 +323,7 @@ def plot(run_dir, out=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise SystemExit(f"--plot: no metrics.jsonl in '{run_dir}' (pass the run's af_output_dir)")
     rows = [row for _, row in complete_rows(path, path.read_text(errors="replace"))]   # a live run's too
