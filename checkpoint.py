@@ -472,11 +472,14 @@ def _check_world_size(step_dir, manifest, world_size):
             f"with actor_rollout_ref.model.path=OUT")
 
 
-def check_world_size_before_loading(cfg, world_size):
-    """Before any model loads: the checkpoint a resume would read (resume_from_path's, or auto's newest complete
-    one by the sizes in its manifest) was written by as many ranks as this run has, since only then do its shards
-    load; not minutes later, once the models and the rollout engine have started. The rest is checked when the
-    models exist (validate, with the checksums)."""
+def check_before_loading(cfg, world_size):
+    """Before any model loads, not minutes later once the models and the rollout engine have started: each role's
+    save_contents and load_contents, and that the checkpoint a resume would read (resume_from_path's, or auto's
+    newest complete one by the sizes in its manifest) was written by as many ranks as this run has, since only then
+    do its shards load. The rest is checked when the models exist (validate, with the checksums)."""
+    for role in ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else []):
+        save_contents(cfg, role)
+        load_contents(cfg, role)
     trainer = cfg.trainer
     if trainer.resume_mode == "disable":
         return

@@ -173,7 +173,7 @@ class Trainer:
         check_model_fits_rollout(cfg, self.device.type)    # what vLLM would refuse once loaded; hf: a length warning
         check_output_folders(cfg, self.rank)                               # not after the models have loaded
         self.run_lock = claim_output_folder(cfg.af_output_dir) if self.rank == 0 else None   # one run per folder
-        checkpoint.check_world_size_before_loading(cfg, self.world_size)   # shards load with as many ranks only
+        checkpoint.check_before_loading(cfg, self.world_size)    # what to save and load; shards need as many ranks
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
         needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # with LoRA the reference is the actor's own base model (adapter disabled): no second copy of the weights

@@ -288,6 +288,8 @@ def test_load_contents_must_name_the_model(ckpt_copy):
     with pytest.raises(checkpoint.CheckpointError, match=r"'actor_rollout_ref.actor.checkpoint.load_contents'="
                                                          r"\['optimizer'\] lacks 'model'"):
         checkpoint.resume(cfg, roles={"actor": None}, loader=None)        # refused before any model is touched
+    with pytest.raises(checkpoint.CheckpointError, match=r"load_contents'=\['optimizer'\] lacks 'model'"):
+        checkpoint.check_before_loading(cfg, world_size=2)                # and before any model loads
     cfg = resume_cfg("actor_rollout_ref.actor.checkpoint.load_contents=[model,hf_model]")
     with pytest.raises(checkpoint.CheckpointError, match=r"has \['hf_model'\]; allowed: \['model', 'optimizer', "
                                                          r"'extra'\]"):
