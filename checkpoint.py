@@ -453,14 +453,19 @@ def validate(step_dir, world_size, roles):
                                   f"this run's: {_first_difference(saved, here)}{_lora_hint(saved, here)}. Resume "
                                   f"with the model it was trained from, or set trainer.resume_mode=disable (or "
                                   f"another trainer.default_local_dir) to start fresh")
-        saved_ranks = _shard_ranks(manifest["roles"][name]["params"], world_size)
-        if saved_ranks != _shard_ranks(layout, world_size):
-            raise CheckpointError(f"checkpoint '{step_dir}' shards its {name} model over groups of {saved_ranks} "
-                                  f"ranks and this run over {_shard_ranks(layout, world_size)} (fsdp_config."
-                                  f"fsdp_size): its shards only load with the same grouping. Resume with that "
-                                  f"fsdp_size ({saved_ranks} ranks, or -1 for all), or export it (python minirl.py "
-                                  f"--export {step_dir} OUT) and start a new run from OUT")
+        _check_grouping(step_dir, manifest, name, _shard_ranks(layout, world_size))
     return manifest
+
+
+def _check_grouping(step_dir, manifest, name, group_ranks):
+    """`name`'s shards load only onto groups of as many ranks as wrote them (fsdp_size, models.fsdp_mesh)."""
+    saved_ranks = _shard_ranks(manifest["roles"][name]["params"], manifest["world_size"])
+    if saved_ranks != group_ranks:
+        raise CheckpointError(f"checkpoint '{step_dir}' shards its {name} model over groups of {saved_ranks} "
+                              f"ranks and this run over {group_ranks} (fsdp_config.fsdp_size): its shards only "
+                              f"load with the same grouping. Resume with that fsdp_size ({saved_ranks} ranks, or -1 "
+                              f"for all), or export it (python minirl.py --export {step_dir} OUT) and start a new "
+                              f"run from OUT")
 
 
 def _check_world_size(step_dir, manifest, world_size):
@@ -475,9 +480,11 @@ def _check_world_size(step_dir, manifest, world_size):
 def check_before_loading(cfg, world_size):
     """Before any model loads, not minutes later once the models and the rollout engine have started: each role's
     save_contents and load_contents, and that the checkpoint a resume would read (resume_from_path's, or auto's
-    newest complete one by the sizes in its manifest) was written by as many ranks as this run has, since only then
-    do its shards load. The rest is checked when the models exist (validate, with the checksums)."""
-    for role in ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else []):
+    newest complete one by the sizes in its manifest) was written by as many ranks as this run has, in groups of as
+    many as this run's fsdp_size makes, since only then do its shards load. The rest is checked when the models
+    exist (validate, with the checksums)."""
+    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
+    for role in roles:
         save_contents(cfg, role)
         load_contents(cfg, role)
     trainer = cfg.trainer
@@ -489,8 +496,18 @@ def check_before_loading(cfg, world_size):
         candidates = [path for _, path in step_dirs(trainer.default_local_dir)]
     for step_dir in candidates:
         if STEP_DIR.match(step_dir.name) and problems(step_dir, checksums=False) is None:
-            _check_world_size(step_dir, json.loads((step_dir / MANIFEST).read_text()), world_size)
+            manifest = json.loads((step_dir / MANIFEST).read_text())
+            _check_world_size(step_dir, manifest, world_size)
+            for role in roles:
+                if role in manifest["roles"]:           # a missing role is named once the models exist (validate)
+                    _check_grouping(step_dir, manifest, role, _group_ranks(cfg, role, world_size))
             return
+
+
+def _group_ranks(cfg, role, world_size):
+    """Over how many ranks this run will shard `role` (models.fsdp_mesh): fsdp_size, or all ranks for -1."""
+    fsdp_size = (cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic.model).fsdp_config.fsdp_size
+    return fsdp_size if 0 < fsdp_size < world_size else world_size
 
 
 def _lora_rank(layout):

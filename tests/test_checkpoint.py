@@ -296,6 +296,20 @@ def test_load_contents_must_name_the_model(ckpt_copy):
         checkpoint.load_contents(cfg, "actor")
 
 
+def test_other_fsdp_grouping_is_refused_before_models_load(ckpt_copy):
+    """run A's 2 ranks shard one copy of the actor; fsdp_size=1 would give each rank a whole copy (HSDP groups of 1),
+    whose shards are not the checkpoint's: refused from the manifest alone, as a resume of it with -1 or 2 is not."""
+    step = ckpt_copy / "global_step_4"
+    where = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}")
+    for fsdp_size in (-1, 2, 4):
+        checkpoint.check_before_loading(resume_cfg(*where, f"actor_rollout_ref.actor.fsdp_config.fsdp_size="
+                                                             f"{fsdp_size}"), world_size=2)
+    cfg = resume_cfg(*where, "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
+    with pytest.raises(checkpoint.CheckpointError, match=r"shards its actor model over groups of 2 ranks and this "
+                                                         r"run over 1 \(fsdp_config.fsdp_size\)"):
+        checkpoint.check_before_loading(cfg, world_size=2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The non-finite guard
 
