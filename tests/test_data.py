@@ -5,6 +5,7 @@ Run: HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/test_data.py -q"""
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -315,6 +316,34 @@ def test_loader_rejects_mismatched_resume_and_tiny_dataset():
     with pytest.raises(ValueError, match="fewer than one batch"):
         PromptLoader(RangeDataset(2), 3)
 
+
+
+def test_a_resume_over_other_rows_of_the_same_count_is_warned_about(tokenizer, tmp_path):
+    """The same rows from another folder resume silently; one changed answer or prompt among as many rows is warned
+    about (the order and count checks cannot see it), and the run goes on where the checkpoint left off."""
+    contents = ["12", "345", "6789", "0"]
+    trained = write_rows(tmp_path / "train.parquet", contents)
+    (tmp_path / "moved").mkdir()
+    moved = write_rows(tmp_path / "moved" / "train.parquet", contents)
+    answers = [{"style": "rule", "ground_truth": g} for g in ("0", "1", "2", "33")]
+    other_answer = write_rows(tmp_path / "answer.parquet", contents, reward_model=answers)
+    other_prompt = write_rows(tmp_path / "prompt.parquet", contents[:3] + ["1"])
+
+    def loader(path):
+        return PromptLoader(RLHFDataset(path, tokenizer, max_prompt_length=64), 2, seed=1)
+
+    running = loader(trained)
+    next(iter(running))
+    state = running.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader(moved).load_state_dict(state)
+    for path in (other_answer, other_prompt):
+        resumed = loader(path)
+        with pytest.warns(UserWarning, match=r"the training rows differ from those of the checkpointed run \(as "
+                                             r"many rows.*data epoch 0, 1 batches of it done"):
+            resumed.load_state_dict(state)
+        assert resumed.state_dict()["batches_done_in_epoch"] == 1
 
 # ------------------------------------------------------------------------------------------------------------
 # GSM8K preprocessing on real rows (the sample in tests/data/gsm8k)
