@@ -92,10 +92,15 @@ def check_models(cfg):
 
 def wrap(model, model_cfg, value_head=None):
     """The model with LoRA adapters on the target modules; base parameters frozen (requires_grad False), but for
-    a critic's value head (`value_head`: its module name), which trains whole."""
+    a critic's value head (`value_head`: its module name), which trains whole. The adapter's config names the base
+    model's folder as an absolute path, so a saved or exported adapter loads from any working directory."""
     from peft import get_peft_model
     model.enable_input_require_grads()      # verl does: with a frozen embedding, checkpointed blocks still get grads
-    return get_peft_model(model, lora_config(model_cfg, value_head))
+    wrapped = get_peft_model(model, lora_config(model_cfg, value_head))
+    base = wrapped.peft_config["default"].base_model_name_or_path       # peft takes the path it was loaded from
+    if base and Path(base).is_dir():
+        wrapped.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    return wrapped
 
 
 def log_parameter_counts(model, model_cfg, role="actor"):

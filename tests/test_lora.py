@@ -286,3 +286,20 @@ def test_verl_lora_example_passes_print_config(paths):  # noqa: F811
                           "--print-config", "--world-size", "8", *verl_lora], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "lora_rank: 64" in out.stdout and "load_format: safetensors" in out.stdout
+
+
+def test_a_saved_adapter_names_its_base_by_an_absolute_path(tiny_model_dir, tmp_path, monkeypatch):
+    """Found exporting a run started with model.path=demo/model: the adapter named its base "demo/model", so
+    from_pretrained(OUT) worked only from the training folder and elsewhere looked for a Hub model."""
+    from transformers import AutoModelForCausalLM
+    monkeypatch.chdir(tiny_model_dir.parent)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir.name}", "data.train_files=unused",
+                             "algorithm.adv_estimator=grpo", "actor_rollout_ref.model.lora_rank=4"],
+                      check_paths=False)
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir.name), cfg.actor_rollout_ref.model)
+    saved = lora.adapter_from_full_state(model, model.state_dict()).save(tmp_path / "adapter")
+    monkeypatch.chdir(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(saved)                         # base + adapter, found from here
+    assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tiny_model_dir.resolve())
+    assert loaded.peft_config["default"].r == 4
