@@ -55,6 +55,31 @@ GSM8K_INTERACTION_SYSTEM = (
 GSM8K_ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
+def verl_answer_tool(class_name, config, tool_name, dataset, problem):
+    """The tool yaml a variant's rows are made for, as verl's examples/sglang_multiturn/config/tool_config/
+    {gsm8k,geo3k}_tool_config.yaml (v0.5.0) hold it: one tool that grades the answer it is called with (verl's
+    class names; tools.py serves them)."""
+    schema = {"name": tool_name,
+              "description": f"A tool for calculating the reward of {dataset}. (1.0 if parsed answer is correct, 0.0 "
+                             f"if parsed answer is incorrect or not correctly parsed)",
+              "parameters": {"type": "object", "required": ["answer"], "properties": {"answer": {
+                  "type": "string", "description": f"The model's answer to the {problem} problem, must be a digits"}}}}
+    return {"tools": [{"class_name": class_name, "config": config,
+                       "tool_schema": {"type": "function", "function": schema}}]}
+
+
+# written beside the rows by `data.py gsm8k|geo3k --multiturn|--interaction`, under verl's file names, so the
+# rows come with the yaml that multi_turn.tool_config_path (interaction_config_path) needs
+VARIANT_YAMLS = {
+    ("gsm8k", "multiturn"): ("gsm8k_tool_config.yaml", verl_answer_tool(
+        "verl.tools.gsm8k_tool.Gsm8kTool", {"type": "native"}, "calc_gsm8k_reward", "gsm8k", "GSM8K math")),
+    ("gsm8k", "interaction"): ("gsm8k_interaction_config.yaml", {"interaction": [
+        {"name": "gsm8k", "class_name": "verl.interactions.gsm8k_interaction.Gsm8kInteraction", "config": {}}]}),
+    ("geo3k", "multiturn"): ("geo3k_tool_config.yaml", verl_answer_tool(
+        "verl.tools.geo3k_tool.Geo3kTool", {}, "calc_geo3k_reward", "geo3k", "geo3k")),
+}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Prompt length handling (verl `postprocess_data` and the raw_prompt_ids truncation in RLHFDataset)
 # ------------------------------------------------------------------------------------------------------------
@@ -476,8 +501,9 @@ def read_split(input_dir, split, name="GSM8K", hub_name="openai/gsm8k"):
 
 
 def preprocess_gsm8k(input_dir, out_dir, multiturn=False, interaction=False):
-    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant; interaction: the
-    variant for the gsm8k interaction); returns {split: path}."""
+    """Write verl-format train.parquet and test.parquet (multiturn: the tool-calling variant, with verl's tool yaml
+    for it; interaction: the variant for the gsm8k interaction, with verl's interaction yaml); returns {split or
+    "tools"/"interaction": path}."""
     if multiturn and interaction:
         raise ValueError("gsm8k: --multiturn and --interaction are two variants of the rows; pick one")
     out_dir = Path(out_dir)
@@ -493,6 +519,21 @@ def preprocess_gsm8k(input_dir, out_dir, multiturn=False, interaction=False):
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
+    return write_variant_yaml(paths, out_dir, "gsm8k", "multiturn" if multiturn else "interaction" if interaction
+                              else None)
+
+
+def write_variant_yaml(paths, out_dir, dataset, variant):
+    """Add the variant's tool or interaction yaml (VARIANT_YAMLS) to `paths` (under its key "tools" or
+    "interaction") and to `out_dir`."""
+    if (dataset, variant) not in VARIANT_YAMLS:
+        return paths
+    import yaml
+    name, content = VARIANT_YAMLS[dataset, variant]
+    key = next(iter(content))
+    paths[key] = out_dir / name
+    paths[key].write_text(yaml.safe_dump(content, sort_keys=False))
+    print(f"wrote {paths[key]} (verl's yaml for these rows)")
     return paths
 
 
@@ -545,8 +586,8 @@ def geo3k_row(example, split, index, input_dir, multiturn=False):
 
 
 def preprocess_geo3k(input_dir, out_dir, multiturn=False):
-    """Write verl-format train.parquet and test.parquet (images kept; multiturn: the tool-calling variant);
-    returns {split: path}."""
+    """Write verl-format train.parquet and test.parquet (images kept; multiturn: the tool-calling variant, with
+    verl's tool yaml for it); returns {split or "tools": path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -561,7 +602,7 @@ def preprocess_geo3k(input_dir, out_dir, multiturn=False):
         paths[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), paths[split])
         print(f"wrote {len(rows)} rows to {paths[split]}")
-    return paths
+    return write_variant_yaml(paths, out_dir, "geo3k", "multiturn" if multiturn else None)
 
 
 # ------------------------------------------------------------------------------------------------------------

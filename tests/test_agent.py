@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 import agent
@@ -277,6 +278,8 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
         (tmp_path / "in" / f"{split}.jsonl").write_text(json.dumps(example) + "\n")
     data.main(["gsm8k", "--multiturn", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
     (tmp_path / "tools.yaml").write_text(VERL_GSM8K_TOOL_YAML)
+    written = tmp_path / "out" / "gsm8k_tool_config.yaml"                    # the rows come with verl's yaml
+    assert yaml.safe_load(written.read_text()) == yaml.safe_load(VERL_GSM8K_TOOL_YAML)
     tool_map = tools.load_tools(tmp_path / "tools.yaml")
     assert type(tool_map["calc_gsm8k_reward"]) is tools.Gsm8kTool
     dataset = data.RLHFDataset(tmp_path / "out" / "train.parquet", tok, max_prompt_length=1024, return_raw_chat=True,
@@ -628,6 +631,9 @@ def test_gsm8k_interaction_rows_are_verls(tmp_path):
         "reward_model": {"style": "rule", "ground_truth": "7"},
         "extra_info": {"split": "train", "index": 0, "answer": example["answer"], "question": example["question"],
                        "interaction_kwargs": {"name": "gsm8k", "query": asked, "ground_truth": "7"}}}
+    written = tmp_path / "out" / "gsm8k_interaction_config.yaml"             # with verl's interaction yaml
+    assert yaml.safe_load(written.read_text()) == yaml.safe_load(VERL_GSM8K_INTERACTION_YAML)
+    assert list(interactions.load_interactions(written)) == ["gsm8k"]
     with pytest.raises(ValueError, match="--multiturn and --interaction"):
         data.preprocess_gsm8k(tmp_path / "in", tmp_path / "both", multiturn=True, interaction=True)
     with pytest.raises(SystemExit) as exit_:          # the command line refuses both, as argparse does

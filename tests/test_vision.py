@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 import vision
 from attention import VARLEN_CPU
@@ -317,6 +318,8 @@ def test_geo3k_multiturn_rows_are_verls_and_its_tool_grades_the_answer(tmp_path)
     (tmp_path / "geo3k_tool_config.yaml").write_text(VERL_GEO3K_TOOL_YAML)
     (name, tool), = tools.load_tools(tmp_path / "geo3k_tool_config.yaml").items()
     assert name == "calc_geo3k_reward" and type(tool) is tools.Geo3kTool
+    written = tmp_path / "out" / "geo3k_tool_config.yaml"                    # the rows come with verl's yaml
+    assert yaml.safe_load(written.read_text()) == yaml.safe_load(VERL_GEO3K_TOOL_YAML)
 
     async def session():
         instance = await tool.create(ground_truth="5.8")
