@@ -665,8 +665,23 @@ def _settings_of_unbuilt_models(cfg, defaults):
     return found
 
 
+# the folders a run writes to (runtime.check_output_folders checks them writable before any model loads)
+OUTPUT_FOLDER_KEYS = ("af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir",
+                      "trainer.validation_data_dir")
+
+
+def _check_outputs_are_local(cfg):
+    """hdfs:// is read (models, data), never written: without this a run wrote into a local folder named 'hdfs:'."""
+    for key in OUTPUT_FOLDER_KEYS:
+        folder = get_dotted(cfg, key)
+        if folder and str(folder).startswith("hdfs://"):
+            raise ConfigError(f"{key}={folder!r}: minirl writes its outputs to a local folder (hdfs:// is read for "
+                              f"models and data only); point it at a local folder and copy the results over")
+
+
 def validate(cfg, world_size=None, check_paths=True):
     _check_choices(cfg)
+    _check_outputs_are_local(cfg)
     _check_not_yet(cfg)
     _check_algorithm(cfg)
     _check_sequence_parallel(cfg)

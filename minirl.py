@@ -698,9 +698,9 @@ def parse_args(argv=None):
 
 
 def print_config(cfg, world_size, source):
+    plan = batch_plan(cfg, world_size)           # a batch that does not divide: the error alone, not after the tree
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(f"planning for world size {world_size} ({source})")
-    plan = batch_plan(cfg, world_size)
     steps = None
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]

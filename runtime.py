@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import failures
-from config import ConfigError, get_dotted
+from config import OUTPUT_FOLDER_KEYS, ConfigError, get_dotted
 from tracking import METRICS_FILE, TENSORBOARD_DIR
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,21 +157,13 @@ def resolve_paths(cfg):
             raise ConfigError(f"'{dotted}': {err}") from err
 
 
-OUTPUT_FOLDER_KEYS = ("af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir",
-                      "trainer.validation_data_dir")
-
-
 def check_output_folders(cfg, rank):
-    """Every folder the run will write to is local, exists or can be made, and takes a file: a clear error naming
-    the key before any model loads, not an OSError at the first log line or checkpoint (or, for hdfs://, a local
-    folder named 'hdfs:' written in silence)."""
+    """Every folder the run will write to (local: config checked that) exists or can be made, and takes a file: a
+    clear error naming the key before any model loads, not an OSError at the first log line or checkpoint."""
     for key in OUTPUT_FOLDER_KEYS:
         folder = get_dotted(cfg, key)
         if not folder:
             continue
-        if str(folder).startswith("hdfs://"):
-            raise ConfigError(f"{key}={folder!r}: minirl writes its outputs to a local folder (hdfs:// is read for "
-                              f"models and data only); point it at a local folder and copy the results over")
         probe = Path(folder) / f".minirl_write_check_{rank}"
         try:
             probe.parent.mkdir(parents=True, exist_ok=True)

@@ -141,9 +141,13 @@ def test_every_numeric_key_minirl_reads_declares_its_range():
 def test_cli_prints_one_config_error_line_and_exits_2(paths):
     bad = paths["dir"] / "bomb.yaml"
     bad.write_text(_bomb())
-    for argv in (["--config", str(bad)], ["--config", str(write(paths, minimal(paths))), "af_output_dir={{"]):
+    good = str(write(paths, minimal(paths)))
+    # the last two with --print-config: the error alone, not after the config tree (found: the tree came first)
+    for argv in (["--config", str(bad)], ["--config", good, "af_output_dir={{"],
+                 ["--config", good, "--print-config", "data.train_batch_size=15"],
+                 ["--config", good, "--print-config", "af_output_dir=hdfs://nn/out"]):
         out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), *argv], capture_output=True, text=True,
                              cwd=ROOT, timeout=300)
         assert out.returncode == 2
         assert out.stderr.startswith("config error: ") and "Traceback" not in out.stderr
-        assert len(out.stderr.strip().splitlines()) == 1
+        assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""

@@ -91,15 +91,13 @@ def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, mo
 @pytest.mark.parametrize("key", ["af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir"])
 def test_an_hdfs_output_folder_is_refused_naming_the_key(tmp_path, monkeypatch, key):
     """Found: af_output_dir=hdfs://nn/out trained and wrote metrics and checkpoints into a local folder 'hdfs:/nn/out'
-    under the working directory."""
+    under the working directory. Refused with the config, so `--print-config` says so too."""
     from config import ConfigError
-    from runtime import check_output_folders
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml",
-                      [f"af_output_dir={tmp_path / 'run'}", f"{key}=hdfs://namenode/out"], check_paths=False)
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}='hdfs://namenode/out': minirl writes its outputs to a "
                                           r"local folder"):
-        check_output_folders(cfg, rank=0)
+        load_config(Path(__file__).resolve().parents[1] / "config.yaml",
+                    [f"af_output_dir={tmp_path / 'run'}", f"{key}=hdfs://namenode/out"], check_paths=False)
     assert not (tmp_path / "hdfs:").exists()
 
 
