@@ -457,15 +457,21 @@ def validate(step_dir, world_size, roles):
     return manifest
 
 
+FSDP_SIZE_KEY = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+                 "critic": "critic.model.fsdp_config.fsdp_size"}
+
+
 def _check_grouping(step_dir, manifest, name, group_ranks):
     """`name`'s shards load only onto groups of as many ranks as wrote them (fsdp_size, models.fsdp_mesh)."""
-    saved_ranks = _shard_ranks(manifest["roles"][name]["params"], manifest["world_size"])
+    world_size = manifest["world_size"]
+    saved_ranks = _shard_ranks(manifest["roles"][name]["params"], world_size)
     if saved_ranks != group_ranks:
+        value = f"{saved_ranks}" + (" (or -1: all ranks)" if saved_ranks == world_size else "")
         raise CheckpointError(f"checkpoint '{step_dir}' shards its {name} model over groups of {saved_ranks} "
-                              f"ranks and this run over {group_ranks} (fsdp_config.fsdp_size): its shards only "
-                              f"load with the same grouping. Resume with that fsdp_size ({saved_ranks} ranks, or -1 "
-                              f"for all), or export it (python minirl.py --export {step_dir} OUT) and start a new "
-                              f"run from OUT")
+                              f"ranks and this run over {group_ranks} ({FSDP_SIZE_KEY[name]}): its shards only "
+                              f"load with the same grouping. Resume with {FSDP_SIZE_KEY[name]}={value}, or export "
+                              f"the model (python minirl.py --export {step_dir / name} OUT) and start a new run "
+                              f"from OUT")
 
 
 def _check_world_size(step_dir, manifest, world_size):
@@ -506,7 +512,7 @@ def check_before_loading(cfg, world_size):
 
 def _group_ranks(cfg, role, world_size):
     """Over how many ranks this run will shard `role` (models.fsdp_mesh): fsdp_size, or all ranks for -1."""
-    fsdp_size = (cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic.model).fsdp_config.fsdp_size
+    fsdp_size = get_dotted(cfg, FSDP_SIZE_KEY[role])
     return fsdp_size if 0 < fsdp_size < world_size else world_size
 
 

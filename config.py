@@ -671,8 +671,9 @@ OUTPUT_FOLDER_KEYS = ("af_output_dir", "trainer.default_local_dir", "trainer.rol
 
 
 def _check_outputs_are_local(cfg):
-    """hdfs:// is read (models, data), never written: without this a run wrote into a local folder named 'hdfs:'."""
-    for key in OUTPUT_FOLDER_KEYS:
+    """hdfs:// is read (models, data), never written: without this a run wrote into a local folder named 'hdfs:'.
+    hdfs_cache_dir is written too (the local copies of hdfs:// paths)."""
+    for key in (*OUTPUT_FOLDER_KEYS, "trainer.hdfs_cache_dir"):
         folder = get_dotted(cfg, key)
         if folder and str(folder).startswith("hdfs://"):
             raise ConfigError(f"{key}={folder!r}: minirl writes its outputs to a local folder (hdfs:// is read for "

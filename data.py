@@ -8,11 +8,11 @@ Library use (the trainer in minirl.py does this):
 
 Command line (one subcommand per dataset, see COMMANDS):
     python data.py gsm8k --input path/to/gsm8k --out ~/data/gsm8k   # verl's gsm8k.py, offline
-    python data.py gsm8k --multiturn --input DIR --out DIR          # verl's gsm8k_multiturn_w_tool.py
-    python data.py gsm8k --interaction --input DIR --out DIR        # verl's gsm8k_multiturn_w_interaction.py
+    python data.py gsm8k --multiturn --input DIR --out DIR          # verl's gsm8k_multiturn_w_tool.py (+ tool yaml)
+    python data.py gsm8k --interaction --input DIR --out DIR        # ...w_interaction.py (+ interaction yaml)
     python data.py demo --out demo                                  # tiny model + addition task (demo.py)
     python data.py geo3k --input path/to/geometry3k --out ~/data/geo3k   # verl's geo3k.py, images kept
-    python data.py geo3k --multiturn --input DIR --out DIR          # verl's geo3k_multiturn_w_tool.py
+    python data.py geo3k --multiturn --input DIR --out DIR          # verl's geo3k_multiturn_w_tool.py (+ tool yaml)
     python data.py demo-vl --out demo-vl                            # tiny Qwen2.5-VL + colour task (demo_vl.py)
     python data.py demo-tools --out demo-tools                      # tiny model + a task that needs its tool
 
@@ -115,9 +115,9 @@ def position_ids_from_mask(attention_mask):
 # Dataset
 # ------------------------------------------------------------------------------------------------------------
 def rows_digest(rows):
-    """A hash of the rows' columns (images by their bytes' hash; not the folder a row was read from), so a resume
-    can tell another training file of the same length from the checkpointed run's, wherever either file lies (0.1 s
-    for GSM8K's 7473 rows)."""
+    """A hash of the rows' columns as parquet gives them (an image the row holds by its bytes' hash, one it names by
+    its path string; not the folder a row was read from), so a resume can tell another training file of the same
+    length from the checkpointed run's, wherever either file lies (0.1 s for GSM8K's 7473 rows)."""
     def encode(value):
         return hashlib.sha256(value).hexdigest() if isinstance(value, (bytes, bytearray)) else str(value)
     digest = hashlib.sha256()
@@ -657,13 +657,15 @@ COMMANDS = {
     "gsm8k": Command("GSM8K jsonl/parquet -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_gsm8k,
                      (("--input", "folder with train/test .jsonl or .parquet"),),
-                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward"),
+                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for calc_gsm8k_reward; "
+                                      "and verl's gsm8k_tool_config.yaml"),
                       ("--interaction", "verl's variant for its gsm8k interaction: system prompt, "
-                                        "interaction_kwargs"))),
+                                        "interaction_kwargs; and verl's gsm8k_interaction_config.yaml"))),
     "geo3k": Command("geometry3k jsonl/parquet (problem, answer, images) -> verl-format train/test.parquet",
                      "folder for train.parquet and test.parquet", run_geo3k,
                      (("--input", "folder with train/test .jsonl or .parquet"),),
-                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for the geo3k tool"),)),
+                     (("--multiturn", "verl's multi-turn variant: system prompt, tools_kwargs for the geo3k tool; "
+                                      "and verl's geo3k_tool_config.yaml"),)),
     "demo": Command("tiny warmed-up model + addition task parquet", "folder for model/ and data/", run_demo),
     "demo-vl": Command("tiny warmed-up Qwen2.5-VL + colour-of-the-square task parquet (images)",
                        "folder for model/ and data/", run_demo_vl),

@@ -277,10 +277,9 @@ def test_verl_gsm8k_yaml_and_multiturn_row_through_the_loop(tok, tmp_path):
     for split in ("train", "test"):
         (tmp_path / "in" / f"{split}.jsonl").write_text(json.dumps(example) + "\n")
     data.main(["gsm8k", "--multiturn", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")])
-    (tmp_path / "tools.yaml").write_text(VERL_GSM8K_TOOL_YAML)
     written = tmp_path / "out" / "gsm8k_tool_config.yaml"                    # the rows come with verl's yaml
     assert yaml.safe_load(written.read_text()) == yaml.safe_load(VERL_GSM8K_TOOL_YAML)
-    tool_map = tools.load_tools(tmp_path / "tools.yaml")
+    tool_map = tools.load_tools(written)
     assert type(tool_map["calc_gsm8k_reward"]) is tools.Gsm8kTool
     dataset = data.RLHFDataset(tmp_path / "out" / "train.parquet", tok, max_prompt_length=1024, return_raw_chat=True,
                                chat_template=TOOL_CHAT_TEMPLATE,

@@ -306,7 +306,9 @@ def test_other_fsdp_grouping_is_refused_before_models_load(ckpt_copy):
                                                              f"{fsdp_size}"), world_size=2)
     cfg = resume_cfg(*where, "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
     with pytest.raises(checkpoint.CheckpointError, match=r"shards its actor model over groups of 2 ranks and this "
-                                                         r"run over 1 \(fsdp_config.fsdp_size\)"):
+                                                         r"run over 1 \(actor_rollout_ref.actor.fsdp_config.fsdp_size"
+                                                         r"\).*Resume with actor_rollout_ref.actor.fsdp_config."
+                                                         r"fsdp_size=2 \(or -1: all ranks\)"):
         checkpoint.check_before_loading(cfg, world_size=2)
 
 

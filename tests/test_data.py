@@ -317,7 +317,6 @@ def test_loader_rejects_mismatched_resume_and_tiny_dataset():
         PromptLoader(RangeDataset(2), 3)
 
 
-
 def test_a_resume_over_other_rows_of_the_same_count_is_warned_about(tokenizer, tmp_path):
     """The same rows from another folder resume silently; one changed answer or prompt among as many rows is warned
     about (the order and count checks cannot see it), and the run goes on where the checkpoint left off."""

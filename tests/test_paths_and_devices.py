@@ -88,7 +88,8 @@ def test_a_leading_tilde_is_the_home_folder_in_every_local_path_key(tmp_path, mo
                                         else value.replace("~", home, 1)), key
 
 
-@pytest.mark.parametrize("key", ["af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir"])
+@pytest.mark.parametrize("key", ["af_output_dir", "trainer.default_local_dir", "trainer.rollout_data_dir",
+                                 "trainer.hdfs_cache_dir"])
 def test_an_hdfs_output_folder_is_refused_naming_the_key(tmp_path, monkeypatch, key):
     """Found: af_output_dir=hdfs://nn/out trained and wrote metrics and checkpoints into a local folder 'hdfs:/nn/out'
     under the working directory. Refused with the config, so `--print-config` says so too."""

@@ -357,7 +357,9 @@ def test_hsdp_groups_train_as_one_sharded_copy_and_resume(demo_dir, ppo_models, 
 
     other = run("regrouped", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}", expect_ok=False)
     assert other.returncode != 0
-    assert "shards its actor model over groups of 2 ranks and this run over 4 (fsdp_config.fsdp_size)" in other.stderr
+    assert ("shards its actor model over groups of 2 ranks and this run over 4 (actor_rollout_ref.actor.fsdp_config."
+            "fsdp_size): its shards only load with the same grouping. Resume with actor_rollout_ref.actor.fsdp_config."
+            "fsdp_size=2, or export") in other.stderr
 
 
 def test_critic_lora_trains_its_adapters_and_value_head_and_exports_and_resumes(demo_dir, ppo_models, tmp_path):

@@ -315,11 +315,10 @@ def test_geo3k_multiturn_rows_are_verls_and_its_tool_grades_the_answer(tmp_path)
                      "extra_info": {"split": "train", "index": 0, "answer": "5.8", "question": problem,
                                     "need_tools_kwargs": True,
                                     "tools_kwargs": {"calc_geo3k_reward": {"create_kwargs": {"ground_truth": "5.8"}}}}}
-    (tmp_path / "geo3k_tool_config.yaml").write_text(VERL_GEO3K_TOOL_YAML)
-    (name, tool), = tools.load_tools(tmp_path / "geo3k_tool_config.yaml").items()
-    assert name == "calc_geo3k_reward" and type(tool) is tools.Geo3kTool
     written = tmp_path / "out" / "geo3k_tool_config.yaml"                    # the rows come with verl's yaml
     assert yaml.safe_load(written.read_text()) == yaml.safe_load(VERL_GEO3K_TOOL_YAML)
+    (name, tool), = tools.load_tools(written).items()
+    assert name == "calc_geo3k_reward" and type(tool) is tools.Geo3kTool
 
     async def session():
         instance = await tool.create(ground_truth="5.8")
