@@ -32,8 +32,16 @@ def _data_parallel(cfg, world_size, sp_key="actor_rollout_ref.actor.ulysses_sequ
 REF_SP, CRITIC_SP = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"
 
 
-FSDP_SIZE_KEYS = ("actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.fsdp_size",
-                  "reward_model.model.fsdp_config.fsdp_size")
+# each FSDP-sharded model's fsdp_size (the reference shares the actor's, as in verl)
+FSDP_SIZE_KEY = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+                 "critic": "critic.model.fsdp_config.fsdp_size",
+                 "reward_model": "reward_model.model.fsdp_config.fsdp_size"}
+
+
+def fsdp_group_size(fsdp_size, world_size):
+    """Over how many ranks a model is sharded (verl's create_device_mesh): groups of fsdp_size (HSDP, the copies
+    replicated across the groups), or all ranks for -1 or a size of the world or more."""
+    return fsdp_size if 0 < fsdp_size < world_size else world_size
 
 
 def _check_fsdp_sizes(cfg, world_size):
@@ -41,11 +49,11 @@ def _check_fsdp_sizes(cfg, world_size):
     divide the world size. A model that is not built (no critic without GAE, no reward model unless enabled) is not
     checked: config.settings_without_effect names its setting instead."""
     built = {"critic": cfg.algorithm.adv_estimator == "gae", "reward_model": cfg.reward_model.enable}
-    for dotted in FSDP_SIZE_KEYS:
-        if not built.get(dotted.split(".")[0], True):
+    for role, dotted in FSDP_SIZE_KEY.items():
+        if not built.get(role, True):
             continue
         size = get_dotted(cfg, dotted)
-        if 0 < size < world_size and world_size % size:
+        if world_size % fsdp_group_size(size, world_size):
             raise ConfigError(f"'{dotted}'={size} does not divide the {world_size} training ranks: each model is "
                               f"sharded over groups of fsdp_size ranks and replicated across the groups; choose a "
                               f"divisor of {world_size}, or -1 to shard over all ranks")

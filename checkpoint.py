@@ -58,6 +58,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 import vision
+from batch_plan import FSDP_SIZE_KEY, fsdp_group_size
 from config import get_dotted
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -457,10 +458,6 @@ def validate(step_dir, world_size, roles):
     return manifest
 
 
-FSDP_SIZE_KEY = {"actor": "actor_rollout_ref.actor.fsdp_config.fsdp_size",
-                 "critic": "critic.model.fsdp_config.fsdp_size"}
-
-
 def _check_grouping(step_dir, manifest, name, group_ranks):
     """`name`'s shards load only onto groups of as many ranks as wrote them (fsdp_size, models.fsdp_mesh)."""
     world_size = manifest["world_size"]
@@ -506,14 +503,9 @@ def check_before_loading(cfg, world_size):
             _check_world_size(step_dir, manifest, world_size)
             for role in roles:
                 if role in manifest["roles"]:           # a missing role is named once the models exist (validate)
-                    _check_grouping(step_dir, manifest, role, _group_ranks(cfg, role, world_size))
+                    group = fsdp_group_size(get_dotted(cfg, FSDP_SIZE_KEY[role]), world_size)
+                    _check_grouping(step_dir, manifest, role, group)
             return
-
-
-def _group_ranks(cfg, role, world_size):
-    """Over how many ranks this run will shard `role` (models.fsdp_mesh): fsdp_size, or all ranks for -1."""
-    fsdp_size = get_dotted(cfg, FSDP_SIZE_KEY[role])
-    return fsdp_size if 0 < fsdp_size < world_size else world_size
 
 
 def _lora_rank(layout):

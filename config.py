@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 import vision
-from batch_plan import check_batch, check_split_keys
+from batch_plan import FSDP_SIZE_KEY, check_batch, check_split_keys
 from config_keys import (ALL_KEYS, CHOICES, DEFAULTS, LOGGERS, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_OVERRIDE_CHARS,
                          MAX_VALUES, NOT_YET, SCHEMA, SEED_SECTIONS, ConfigError, Key, get_dotted, leaves,
                          set_dotted)
@@ -643,8 +643,8 @@ def settings_without_effect(cfg):
 
 
 UNBUILT_MODEL_KEYS = {        # settings minirl reads only while building their model
-    "critic": ("critic.model.lora_rank", "critic.model.fsdp_config.fsdp_size"),
-    "reward_model": ("reward_model.model.fsdp_config.fsdp_size",),
+    "critic": ("critic.model.lora_rank", FSDP_SIZE_KEY["critic"]),
+    "reward_model": (FSDP_SIZE_KEY["reward_model"],),
 }
 
 

@@ -17,6 +17,7 @@ import ulysses
 import vision
 from attention import attention_backend
 from batch import all_reduce_sum, batch_size_of, take
+from batch_plan import fsdp_group_size
 from config import ConfigError
 from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, shared_prompt_groups,
                      shares_prompts, token_logprobs, token_values, unwrapped)
@@ -81,10 +82,11 @@ def fsdp_mesh(device_type, fsdp_size):
     parameters are all-gathered and gradients reduce-scattered within a group, then all-reduced across groups), so
     on several nodes the frequent gathers can stay inside a node. A collective: every rank builds it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if fsdp_size < 0 or fsdp_size >= world:
+    group = fsdp_group_size(fsdp_size, world)
+    if group == world:
         return None
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+    return init_device_mesh(device_type, (world // group, group), mesh_dim_names=("ddp", "fsdp"))
 
 
 def shard_fsdp2(model, mixed_precision=False, reshard_after_forward=True, mesh=None):
