@@ -9,6 +9,7 @@ from gloo/NCCL within the collective timeout).
 
     failures.watch_parent(LAUNCHER_PID)                      # a rank whose torchrun is gone exits too
     failures.report_sigterm()                                # SIGTERM is reported and stops every rank
+    failures.report_crashes()                                # a native crash prints where each thread was
     dist.init_process_group(backend, timeout=failures.COLLECTIVE_TIMEOUT)
     ...
     except BaseException as err:
@@ -21,6 +22,7 @@ interpreter finalizes aborts the process.
 
 Left out: restarting failed ranks (torchrun --max-restarts does that, and auto-resume picks up the checkpoint).
 """
+import faulthandler
 import json
 import os
 import signal
@@ -78,6 +80,13 @@ def report_sigterm():
         leave(report(Terminated(), TORCHRUN_RANK))
 
     threading.Thread(target=wait, name="minirl-sigterm", daemon=True).start()
+
+
+def report_crashes():
+    """A crash below Python (a segmentation fault in a native library or a user's C extension, an abort) ends a
+    rank with no exception to report, and torchrun says only "Signal 11". Print every thread's Python stack to
+    stderr first (faulthandler), so the log names the line each thread was on when the process died."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 class ReportedError(RuntimeError):

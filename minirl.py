@@ -753,6 +753,7 @@ def train(cfg):
     known = [(ConfigError, "config error", 2), (checkpoint.CheckpointError, "checkpoint error", 2)]
     trainer, expected = None, known + [(ValueError, "error", 2), (FileNotFoundError, "error", 2)]  # bad data/model
     failures.report_sigterm()
+    failures.report_crashes()
     try:
         if offpolicy.is_rollout_rank(cfg):        # split devices: this rank generates (offpolicy.py)
             trainer = offpolicy.RolloutServer(cfg, *pick_device(cfg.trainer.device))

@@ -20,7 +20,9 @@ def torchrun_cmd(nproc, *args):
 
 def launch_env():
     env = {k: v for k, v in os.environ.items() if k not in RUN_SCOPED}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: probe scripts do not go through minirl.train (failures.report_crashes), and a probe
+    # that dies of a native crash in CI should leave its Python stack in the log too
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     return env
 
 

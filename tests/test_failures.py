@@ -40,12 +40,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return path
 
 
-def start(demo_dir, tmp_path, body, *extra):
+def start(demo_dir, tmp_path, body, *extra, env=None):
     reward = reward_file(tmp_path, body)
     return subprocess.Popen(torchrun_cmd(2, "minirl.py", *overrides(demo_dir, tmp_path / "out", reward), *extra),
-                            cwd=ROOT,
-                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=ROOT, env=env or launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
 
 
 def finish(proc):
@@ -130,6 +129,21 @@ def test_a_rank_killed_without_a_word_is_named_as_the_cause_not_the_one_that_los
     assert "minirl.py\", line" not in output, output[-4000:]
     root_cause = output[output.index("Root Cause"):]
     assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGKILL" in root_cause, root_cause
+
+
+def test_a_rank_that_crashes_below_python_names_the_line_it_was_on(demo_dir, tmp_path):
+    """A segmentation fault (here a reward function reading address 0, as a crashing C extension would) leaves no
+    exception to report: the dying rank prints its threads' Python stacks, the crashing line among them, and
+    torchrun's report names it. The tests' own launches set PYTHONFAULTHANDLER; this one must not."""
+    body = ('    if rank == 1:\n        import ctypes\n'
+            '        ctypes.string_at(0)')
+    env = {k: v for k, v in launch_env().items() if k != "PYTHONFAULTHANDLER"}
+    code, output = finish(start(demo_dir, tmp_path, body, env=env))
+    assert code != 0
+    assert output.count("Fatal Python error: Segmentation fault") == 1, output[-4000:]
+    assert re.search(r'File ".*reward\.py", line 9 in compute_score', output), output[-4000:]
+    root_cause = output[output.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in root_cause and "SIGSEGV" in root_cause, root_cause
 
 
 def test_workers_never_outlive_a_torchrun_killed_while_they_start(demo_dir, tmp_path):
