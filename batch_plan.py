@@ -9,13 +9,16 @@ from config_keys import ConfigError, get_dotted
 
 def _check_micro(per_gpu, global_size, dp, dotted):
     if per_gpu is not None and global_size is not None:
-        raise ConfigError(f"set only one of '{dotted}_per_gpu' and the deprecated '{dotted}'")
+        raise ConfigError(f"set only one of '{dotted}_per_gpu' (={per_gpu}) and the deprecated '{dotted}' "
+                          f"(={global_size}): set the other to null (a config file, such as minirl's config.yaml, "
+                          f"may have set it)")
     if per_gpu is None and global_size is not None and global_size % dp:
         raise ConfigError(f"'{dotted}'={global_size} must be divisible by the {dp} data-parallel ranks; "
                           f"prefer '{dotted}_per_gpu'")
 
 
-def _micro_per_gpu(per_gpu, global_size, dp):
+def micro_per_gpu(per_gpu, global_size, dp):
+    """A micro-batch per rank: the `_per_gpu` key, else verl's deprecated global key split over the dp ranks."""
     return global_size // dp if per_gpu is None and global_size is not None else per_gpu
 
 
@@ -27,6 +30,12 @@ def _data_parallel(cfg, world_size, sp_key="actor_rollout_ref.actor.ulysses_sequ
         raise ConfigError(f"'{sp_key}'={sp} must divide the world size {world_size} (groups of sp consecutive "
                           f"ranks share one data-parallel share of the batch)")
     return world_size // sp
+
+
+def needs_reference(cfg):
+    """verl builds the reference policy only for a KL term: in the loss (actor.use_kl_loss) or in the reward
+    (algorithm.use_kl_in_reward); main_ppo.py adds the RefPolicy role for exactly these."""
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
 REF_SP, CRITIC_SP = "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"
@@ -93,7 +102,7 @@ def check_batch(cfg, world_size):
     mini_per_rank = actor.ppo_mini_batch_size * n // dp
     _check_micro(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp,
                  "actor_rollout_ref.actor.ppo_micro_batch_size")
-    micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
+    micro = micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
     if not actor.use_dynamic_bsz:
         if micro is None:
             raise ConfigError("set 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu' "
@@ -108,11 +117,13 @@ def check_batch(cfg, world_size):
         raise ConfigError(f"'actor_rollout_ref.actor.ppo_max_token_len_per_gpu'={actor.ppo_max_token_len_per_gpu} "
                           f"(x ulysses_sequence_parallel_size {sp}) must be at least "
                           f"max_prompt_length + max_response_length = {max_len}")
-    for worker, prefix, worker_dp in ((rollout, "actor_rollout_ref.rollout", dp),
-                                      (ref, "actor_rollout_ref.ref", ref_dp)):
+    log_prob_workers = [(rollout, "actor_rollout_ref.rollout", dp)]
+    if needs_reference(cfg):                 # verl checks the reference's sizes only where it builds one
+        log_prob_workers.append((ref, "actor_rollout_ref.ref", ref_dp))
+    for worker, prefix, worker_dp in log_prob_workers:
         _check_micro(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp,
                      prefix + ".log_prob_micro_batch_size")
-        size = _micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp)
+        size = micro_per_gpu(worker.log_prob_micro_batch_size_per_gpu, worker.log_prob_micro_batch_size, worker_dp)
         if size is None and not worker.log_prob_use_dynamic_bsz:
             raise ConfigError(f"set '{prefix}.log_prob_micro_batch_size_per_gpu' (or log_prob_use_dynamic_bsz)")
     if cfg.algorithm.adv_estimator == "gae":
@@ -120,7 +131,7 @@ def check_batch(cfg, world_size):
     if cfg.reward_model.enable:        # the reward model runs without sequence parallelism: dp = world size
         rm = cfg.reward_model
         _check_micro(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size, "reward_model.micro_batch_size")
-        if (_micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size) is None
+        if (micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size) is None
                 and not rm.use_dynamic_bsz):
             raise ConfigError("set 'reward_model.micro_batch_size_per_gpu' (or reward_model.use_dynamic_bsz)")
 
@@ -197,7 +208,7 @@ def _check_critic_batch(cfg, dp):
         raise ConfigError(f"'data.train_batch_size'={cfg.data.train_batch_size} must be a multiple of "
                           f"'critic.ppo_mini_batch_size'={critic.ppo_mini_batch_size}")
     _check_micro(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp, "critic.ppo_micro_batch_size")
-    micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp)
+    micro = micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, dp)
     if not critic.use_dynamic_bsz and (micro is None or micro <= 0 or (mini // dp) % micro):
         raise ConfigError(f"the critic's mini-batch per rank is {mini // dp} responses; set "
                           f"'critic.ppo_micro_batch_size_per_gpu' to a divisor of it (or critic.use_dynamic_bsz)")
@@ -216,7 +227,7 @@ def batch_plan(cfg, world_size):
     dp, ref_dp, n = _data_parallel(cfg, world_size), _data_parallel(cfg, world_size, REF_SP), rollout.n
     responses = data.train_batch_size * n
     mini_per_rank = actor.ppo_mini_batch_size * n // dp
-    micro = _micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
+    micro = micro_per_gpu(actor.ppo_micro_batch_size_per_gpu, actor.ppo_micro_batch_size, dp)
     mini_batches = data.train_batch_size // actor.ppo_mini_batch_size
     plan = {
         "world_size": world_size, **split, "dp": dp, "sp": world_size // dp, "responses_per_step": responses,
@@ -225,23 +236,25 @@ def batch_plan(cfg, world_size):
         "micro_batch_per_rank": "dynamic" if actor.use_dynamic_bsz else micro,
         "micro_batches_per_mini_batch": "dynamic" if actor.use_dynamic_bsz else mini_per_rank // micro,
         "optimizer_steps_per_step": actor.ppo_epochs * mini_batches,
-        "old_log_prob_micro_batch": _micro_per_gpu(rollout.log_prob_micro_batch_size_per_gpu,
+        "old_log_prob_micro_batch": micro_per_gpu(rollout.log_prob_micro_batch_size_per_gpu,
                                                    rollout.log_prob_micro_batch_size, dp),
-        "ref_log_prob_micro_batch": _micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
+        "ref_log_prob_micro_batch": micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
                                                    ref.log_prob_micro_batch_size, ref_dp),
     }
     if cfg.algorithm.filter_groups.enable:
         plan.update(generation_batch=generation_batch_size(cfg), n=n)
     if cfg.algorithm.adv_estimator == "gae":
         critic, critic_dp = cfg.critic, _data_parallel(cfg, world_size, CRITIC_SP)
-        critic_micro = _micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, critic_dp)
+        critic_micro = micro_per_gpu(critic.ppo_micro_batch_size_per_gpu, critic.ppo_micro_batch_size, critic_dp)
         plan.update(critic_dp=critic_dp,
                     critic_responses_per_mini_batch_per_rank=critic.ppo_mini_batch_size * critic.rollout_n // critic_dp,
                     critic_micro_batch=critic_micro,
-                    critic_forward_micro_batch=critic.forward_micro_batch_size_per_gpu or critic_micro)
+                    critic_forward_micro_batch=(micro_per_gpu(critic.forward_micro_batch_size_per_gpu,
+                                                              critic.forward_micro_batch_size, critic_dp)
+                                                or critic_micro))
     if cfg.reward_model.enable:
         rm = cfg.reward_model
-        plan["reward_model_micro_batch"] = _micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size)
+        plan["reward_model_micro_batch"] = micro_per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size)
     return plan
 
 

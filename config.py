@@ -100,11 +100,13 @@ def _schema_at(path):
 
 
 def _unknown_key_hint(path):
-    """Where an unknown key probably belongs: the same name in another section first (e.g. 'ppo_epochs' under
-    'data', 'custom_chat_template' under 'data' for the model's), else a close spelling among its siblings, else
+    """Where an unknown key probably belongs: the same name, of a key or a section, elsewhere first (e.g.
+    'ppo_epochs' under 'data', 'custom_chat_template' under 'data' for the model's, 'overlong_buffer' under
+    'custom_reward_function' for the reward model's section), else a close spelling among its siblings, else
     a close dotted key anywhere."""
     parent, key = path[:-1], path[-1]
-    same = [k for k in ALL_KEYS if k.endswith("." + key)]
+    same = list(dict.fromkeys(k[:k.index(f".{key}.") + len(key) + 1] if f".{key}." in k else k
+                              for k in ALL_KEYS if k.endswith("." + key) or f".{key}." in k))   # a key or a section
     if same:
         return "did you mean " + " or ".join(f"'{k}'" for k in same[:3]) + "?"
     siblings = list(_schema_at(parent).keys()) if isinstance(_schema_at(parent), dict) else []
@@ -112,7 +114,9 @@ def _unknown_key_hint(path):
     if guess:
         return f"did you mean '{'.'.join(parent + [guess[0]])}'?"
     close = difflib.get_close_matches(".".join(path), ALL_KEYS, n=1, cutoff=0.7)
-    return f"did you mean '{close[0]}'?" if close else "see config.yaml for the valid keys."
+    return (f"did you mean '{close[0]}'?" if close else
+            "not a key of verl v0.5.0's trainer config, whose keys minirl reads (a newer verl's key, or a recipe's "
+            "own); see config.yaml for the valid keys.")
 
 
 def _unknown_keys_error(paths, source):
@@ -394,10 +398,17 @@ def _search_folders(searchpath, source):
     return [Path(p[len("file://"):]) for p in searchpath if p.startswith("file://")]
 
 
+def _is_config_group(entry):
+    """A Hydra defaults entry that selects from a config group (`group: option`, `group/name`, `name@package`,
+    `override ...`), which minirl does not compose."""
+    return isinstance(entry, dict) or (isinstance(entry, str) and bool(re.search(r"[/@:]|^(override|optional) ",
+                                                                                  entry)))
+
+
 def _defaults_entry_file(entry, folders, source, open_files):
     """The yaml file a plain defaults entry names; anything else is a ConfigError that says what minirl takes."""
     where = f"{source}: defaults entry {_show(entry)}"
-    if isinstance(entry, dict) or (isinstance(entry, str) and re.search(r"[/@:]|^(override|optional) ", entry)):
+    if _is_config_group(entry):
         raise ConfigError(f"{where} is a Hydra config group, which minirl does not compose; copy that file's keys "
                           f"into this one under their place in verl's tree (plain names and '_self_' work)")
     if not isinstance(entry, str) or not entry.strip():
@@ -420,8 +431,10 @@ def _defaults_entry_file(entry, folders, source, open_files):
 
 def config_file_path(config=None, config_path=None, config_name=None):
     """The config file from minirl's --config or from Hydra's --config-path DIR --config-name NAME (verl's run
-    scripts; NAME with or without .yaml, DIR relative to the current folder); None for minirl's defaults, which
-    is what the name `ppo_trainer` means wherever it stands (verl's trainer config)."""
+    scripts; NAME with or without .yaml, DIR relative to the current folder); None for minirl's defaults. The name
+    `ppo_trainer` is verl's trainer config, whose values minirl's defaults are: verl's scripts pass it with
+    --config-path config (verl's package folder) or a verl checkout's verl/trainer/config, where the file composes
+    Hydra config groups. A DIR/ppo_trainer.yaml that composes none is a user's own flat copy, and is read."""
     if config_name is None:
         if config_path is not None:
             raise ConfigError(f"--config-path {config_path} needs --config-name NAME (the file DIR/NAME.yaml)")
@@ -429,7 +442,23 @@ def config_file_path(config=None, config_path=None, config_name=None):
     if config is not None:
         raise ConfigError(f"--config {config} and --config-name {config_name} name two files; pass one")
     name = config_name if config_name.endswith(".yaml") else config_name + ".yaml"
-    return None if name == VERL_BASE_CONFIG + ".yaml" else str(Path(config_path or ".") / name)
+    path = Path(config_path or ".") / name
+    if name == VERL_BASE_CONFIG + ".yaml" and (config_path is None or not _is_flat_config_file(path)):
+        return None
+    return str(path)
+
+
+def _is_flat_config_file(path):
+    """A file whose defaults list (if any) names no Hydra config group; one that cannot be read counts as flat, so
+    that loading it reports why."""
+    try:
+        if not path.is_file():
+            return False
+        raw = read_config_file(path)
+    except (OSError, ConfigError):
+        return True
+    entries = raw.get("defaults") if isinstance(raw, dict) else None
+    return not (isinstance(entries, list) and any(_is_config_group(entry) for entry in entries))
 
 
 def load_config(path=None, overrides=(), world_size=None, check_paths=True):
@@ -727,7 +756,10 @@ def _check_multi_turn(cfg, check_paths=True):
     if not multi_turn_on(cfg):
         return
     if not cfg.data.return_raw_chat:
-        raise ConfigError("multi-turn rollouts template the chat messages themselves: set data.return_raw_chat=True")
+        switch = ("actor_rollout_ref.rollout.multi_turn.enable=True" if rollout.multi_turn.enable
+                  else "actor_rollout_ref.rollout.mode=async")
+        raise ConfigError(f"{switch} runs the agent loop (verl's multi-turn / async rollout), which templates the "
+                          f"chat messages itself: set data.return_raw_chat=True")
     if rollout.ignore_eos:
         raise ConfigError("actor_rollout_ref.rollout.ignore_eos=True cannot end an assistant turn; leave it False "
                           "with multi_turn.enable or rollout.mode=async")

@@ -214,6 +214,9 @@ NOT_YET = {
     "rollout.nnodes": (1, "multi-node rollout (minirl runs on one host)"),
     # verl features minirl does not have
     "data.sampler.class_path": (None, "a custom (curriculum) sampler"),
+    # another dataset class reads other rows: training on minirl's own instead would be silently wrong
+    "data.custom_cls.path": (None, "a custom dataset class (minirl reads parquet rows with verl's columns: data.py)"),
+    "data.datagen.path": (None, "a data generator that adds rows during training (verl's DynamicGenDataset)"),
     "reward_model.sandbox_fusion.url": (None, "sandbox-fusion code execution rewards"),
 }
 

@@ -66,7 +66,7 @@ import ulysses
 import vision
 from batch import (all_gather_rows, all_reduce_sum, balance_and_shard, batch_size_of, concat, gather_tp_groups,
                    repeat_interleave, rows_of_rank, take, uid_groups)
-from batch_plan import batch_plan, format_plan, generation_batch_size, total_training_steps
+from batch_plan import batch_plan, format_plan, generation_batch_size, needs_reference, total_training_steps
 from config import (ConfigError, config_file_path, dapo_reward_arguments, load_config, multi_turn_on,
                     planning_world_size, settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
@@ -175,10 +175,9 @@ class Trainer:
         self.run_lock = claim_output_folder(cfg.af_output_dir) if self.rank == 0 else None   # one run per folder
         checkpoint.check_before_loading(cfg, self.world_size)    # what to save and load; shards need as many ranks
         self.actor = Policy(cfg, self.device, trainable=True, total_steps=self.total_steps)
-        needs_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # with LoRA the reference is the actor's own base model (adapter disabled): no second copy of the weights
         self.ref = None
-        if needs_ref:
+        if needs_reference(cfg):
             self.ref = AdapterDisabled(self.actor) if self.actor.lora else Policy(cfg, self.device, trainable=False)
         use_critic = cfg.algorithm.adv_estimator == "gae"
         self.critic = Critic(cfg, self.device, self.total_steps, len(self.tokenizer)) if use_critic else None
@@ -701,13 +700,18 @@ def print_config(cfg, world_size, source):
     plan = batch_plan(cfg, world_size)           # a batch that does not divide: the error alone, not after the tree
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     print(f"planning for world size {world_size} ({source})")
-    steps = None
+    steps, rows = None, None
     try:
         files = cfg.data.train_files if isinstance(cfg.data.train_files, list) else [cfg.data.train_files]
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         steps = total_training_steps(cfg, rows // generation_batch_size(cfg))
     except (OSError, ImportError, ValueError):      # hdfs://, or not parquet (pyarrow's ArrowInvalid): plan only
         pass
+    if rows is not None and rows < generation_batch_size(cfg):
+        print(format_plan(plan))
+        print(f"  no training step: data.train_files hold {rows} rows, fewer than one batch of "
+              f"{generation_batch_size(cfg)} prompts; a run stops there (lower data.train_batch_size or add data)")
+        return
     print(format_plan(plan, steps))
 
 

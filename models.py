@@ -17,7 +17,7 @@ import ulysses
 import vision
 from attention import attention_backend
 from batch import all_reduce_sum, batch_size_of, take
-from batch_plan import fsdp_group_size
+from batch_plan import fsdp_group_size, micro_per_gpu
 from config import ConfigError
 from forward import (dynamic_micro_batches, fixed_micro_batches, last_token_scores, shared_prompt_groups,
                      shares_prompts, token_logprobs, token_values, unwrapped)
@@ -246,10 +246,11 @@ class MiniBatchPlan:
 
     @classmethod
     def of(cls, section, rollout_n, dp_size):
-        """From an actor or critic config section (verl's keys): ppo_mini_batch_size prompts x n responses / dp."""
-        return cls(section.ppo_epochs, section.ppo_mini_batch_size * rollout_n // dp_size,
-                   section.ppo_micro_batch_size_per_gpu, section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu,
-                   section.grad_clip, dp_size)
+        """From an actor or critic config section (verl's keys): ppo_mini_batch_size prompts x n responses / dp,
+        in micro-batches of ppo_micro_batch_size_per_gpu (or the deprecated ppo_micro_batch_size / dp)."""
+        micro = micro_per_gpu(section.ppo_micro_batch_size_per_gpu, section.ppo_micro_batch_size, dp_size)
+        return cls(section.ppo_epochs, section.ppo_mini_batch_size * rollout_n // dp_size, micro,
+                   section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu, section.grad_clip, dp_size)
 
 
 OFFLOAD_DEVICE = torch.device("cpu")      # where param_offload / optimizer_offload keep a worker between phases

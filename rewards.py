@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from config_keys import ConfigError
 from failures import ReportedError
 from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_is_equiv, minerva_normalize
 
@@ -218,8 +219,8 @@ def load_reward_fn(path=None, name="compute_score"):
     fn = getattr(module, name, None)
     if not callable(fn):
         available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"custom_reward_function.name={name!r} is not a function in {path!r}; "
-                             f"functions there: {available}")
+        raise ConfigError(f"custom_reward_function.name={name!r} is not a function in {path!r}; functions "
+                          f"there: {available}")
     return fn
 
 

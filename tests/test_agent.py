@@ -422,6 +422,15 @@ def test_multi_turn_config_errors(overrides, message):
         load_config(None, base + overrides, check_paths=False)
 
 
+def test_rollout_mode_async_alone_names_itself_as_what_needs_the_raw_chat():
+    """rollout.mode=async runs the agent loop without multi_turn.enable: the error names the key that did."""
+    from config import load_config
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.mode=async runs the agent loop .* set "
+                                          r"data\.return_raw_chat=True"):
+        load_config(None, ["actor_rollout_ref.model.path=m", "data.train_files=t.parquet",
+                           "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.mode=async"], check_paths=False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Interactions (a simulated user): verl's gsm8k interaction, turn scores, limits, failures, yaml and row errors
 

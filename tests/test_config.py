@@ -216,11 +216,13 @@ def test_every_unknown_key_of_a_file_is_named_at_once_with_the_likeliest_home(pa
     """An old verl yaml with several stale keys: one error lists them all, a name that exists in another section
     pointing there before a near spelling among its siblings (data.custom_chat_template is not data.custom_cls)."""
     tree = minimal(paths, data__custom_chat_template="{{ x }}", trainer__totl_epochs=3,
-                   reward_model__model__fsdp_config__min_num_params=0)
+                   reward_model__model__fsdp_config__min_num_params=0,
+                   custom_reward_function__overlong_buffer={"enable": True})      # a section of another section's
     with pytest.raises(ConfigError) as caught:
         load_config(write(paths, tree), world_size=2)
     assert str(caught.value) == (
-        f"3 unknown config keys (from {paths['dir'] / 'cfg.yaml'}):\n"
+        f"4 unknown config keys (from {paths['dir'] / 'cfg.yaml'}):\n"
+        "  'custom_reward_function.overlong_buffer': did you mean 'reward_model.overlong_buffer'?\n"
         "  'data.custom_chat_template': did you mean 'actor_rollout_ref.model.custom_chat_template'?\n"
         "  'reward_model.model.fsdp_config.min_num_params': did you mean "
         "'actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params' or "
@@ -232,6 +234,9 @@ def test_every_unknown_key_of_a_file_is_named_at_once_with_the_likeliest_home(pa
 def test_unknown_override_key(paths):
     with pytest.raises(ConfigError, match="unknown config key 'trainer.totl_epochs'.*total_epochs"):
         load_config(write(paths, minimal(paths)), ["trainer.totl_epochs=3"], world_size=2)
+    # nothing near it: a key of a newer verl or of a recipe (the one-step-off-policy recipe's yaml has this one)
+    with pytest.raises(ConfigError, match=r"'trainer.weight_sync_with_ray' .*: not a key of verl v0\.5\.0's"):
+        load_config(write(paths, minimal(paths)), ["trainer.weight_sync_with_ray=true"], world_size=2)
 
 
 @pytest.mark.parametrize("override, pattern", [
@@ -299,6 +304,41 @@ def test_missing_micro_batch_without_dynamic_bsz(paths):
     with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
         load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
                     world_size=2)
+
+
+def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_names_both_values(paths):
+    """A verl script's ppo_micro_batch_size on top of a file that sets ppo_micro_batch_size_per_gpu (the minimal
+    config here, config.yaml for a user): the error says which values met and what to null."""
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu' \(=2\) and the "
+                                          r"deprecated 'actor_rollout_ref\.actor\.ppo_micro_batch_size' \(=4\): set the "
+                                          r"other to null"):
+        load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_micro_batch_size=4"], world_size=2)
+
+
+def test_the_critics_deprecated_global_micro_batches_are_split_over_the_ranks(paths):
+    """verl's deprecated critic.ppo_micro_batch_size and forward_micro_batch_size are global: over 2 ranks, 4 and 8
+    are 2 and 4 rows a rank in the update and in the value pass (the update crashed on it: it read only the
+    _per_gpu key)."""
+    from models import MiniBatchPlan
+    critic = [f"critic.model.path={paths['model']}", "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=4"]
+    cfg = load_config(write(paths, minimal(paths)), critic, world_size=2)
+    assert MiniBatchPlan.of(cfg.critic, cfg.critic.rollout_n, dp_size=2).micro_batch_rows == 2
+    assert batch_plan(cfg, 2)["critic_forward_micro_batch"] == 2            # verl: forward defaults to the update's
+    cfg = load_config(write(paths, minimal(paths)), critic + ["critic.forward_micro_batch_size=8"], world_size=2)
+    assert batch_plan(cfg, 2)["critic_forward_micro_batch"] == 4
+
+
+@pytest.mark.parametrize("kl", [[], ["actor_rollout_ref.actor.use_kl_loss=true"],
+                                ["algorithm.use_kl_in_reward=true"]])
+def test_the_references_micro_batch_is_required_only_where_a_reference_is_built(paths, kl):
+    """verl's PPO examples without a KL term leave the reference's log-prob micro-batch unset: no reference model
+    is built then, so nothing asks for it."""
+    unset = ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null"]
+    if not kl:
+        load_config(write(paths, minimal(paths)), unset, world_size=2)
+        return
+    with pytest.raises(ConfigError, match=r"set 'actor_rollout_ref\.ref\.log_prob_micro_batch_size_per_gpu'"):
+        load_config(write(paths, minimal(paths)), unset + kl, world_size=2)
 
 
 def test_tp_must_divide_world(paths):
@@ -373,6 +413,12 @@ def test_print_config_cli(paths):
     # 40 rows / 8 prompts = 5 steps per epoch x 30 epochs (verl's default total_epochs)
     assert "training steps 150, optimizer steps in total 300" in out.stdout
     assert "train_batch_size: 8" in out.stdout
+    # 40 rows and a batch of 64 prompts: no step at all (it said "training steps 0", while a run stops)
+    out = subprocess.run([sys.executable, str(ROOT / "minirl.py"), "--config", str(write(paths, minimal(paths))),
+                          "--print-config", "--world-size", "2", "data.train_batch_size=64"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert "no training step: data.train_files hold 40 rows, fewer than one batch of 64 prompts" in out.stdout
+    assert "training steps" not in out.stdout
 
 
 @pytest.mark.parametrize("script", ["minirl.py", "data.py"])
@@ -512,7 +558,8 @@ def test_world_size_for_planning(paths, monkeypatch):
 
 
 def test_verl_keys_that_change_the_algorithm_are_refused(paths):
-    for override, feature in (("data.sampler.class_path=my.py", "sampler"),
+    for override, feature in (("data.sampler.class_path=my.py", "sampler"), ("data.custom_cls.path=ds.py", "dataset"),
+                              ("data.datagen.path=gen.py", "data generator"),
                               ("reward_model.sandbox_fusion.url=http://x", "sandbox")):
         with pytest.raises(ConfigError, match=rf"'{override.split('=')[0]}' enables .*{feature}"):
             load_config(write(paths, minimal(paths)), [override], world_size=2)

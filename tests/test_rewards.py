@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import math_grader as grader  # noqa: E402
+from config_keys import ConfigError  # noqa: E402
 from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize, minerva_normalize  # noqa: E402
 from rewards import (  # noqa: E402
     check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution,
@@ -283,7 +284,7 @@ def test_load_reward_fn_errors(tmp_path):
         load_reward_fn(str(tmp_path / "missing.py"))
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
-    with pytest.raises(AttributeError, match=r"custom_reward_function.name='nope'.*\['compute_score', 'exact'\]"):
+    with pytest.raises(ConfigError, match=r"custom_reward_function.name='nope'.*\['compute_score', 'exact'\]"):
         load_reward_fn(str(path), "nope")
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")

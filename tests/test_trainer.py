@@ -362,6 +362,21 @@ def test_bad_input_is_a_clear_error_before_training(demo_dir, tmp_path, override
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_reward_function_name_the_file_lacks_is_a_config_error_without_a_traceback(demo_dir, tmp_path):
+    """custom_reward_function.name naming no function of its file: one line naming both and what the file holds,
+    exit code 2 (torchrun's report says it), before any model loads (it was an AttributeError with minirl's
+    traceback)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
+                   f"data.train_files={demo_dir}/data/train.parquet", f"af_output_dir={tmp_path / 'out'}",
+                   f"custom_reward_function.path={reward}", "custom_reward_function.name=nope", expect_ok=False)
+    assert out.returncode != 0 and "(exitcode: 2)" in out.stderr, out.stderr[-3000:]
+    assert (f"config error: custom_reward_function.name='nope' is not a function in '{reward}'; functions there: "
+            f"['my_score']") in out.stderr
+    assert not re.search(r'(minirl|rewards)\.py", line', out.stderr), out.stderr[-3000:]   # torchrun's own only
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The oracle promise: one update on a fixed batch
 
@@ -407,6 +422,9 @@ def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
     torchrun(1, "tests/oracle_step.py", fixed_batch, out / "w1.pt", tiny_model_dir, *variants)
     world2 = ["world2:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
               "world2_micro1:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+              # verl's deprecated global micro-batch: 2 over 2 ranks, 1 per rank
+              "world2_deprecated_micro:actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null,"
+              "actor_rollout_ref.actor.ppo_micro_batch_size=2",
               "world2_dynamic:actor_rollout_ref.actor.use_dynamic_bsz=true,"
               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16",
               f"world2_checkpointing:{WORLD2_CHECKPOINTING}",
@@ -418,7 +436,8 @@ def oracle_results(fixed_batch, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "base"] + ["world2", "world2_micro1", "world2_dynamic",
-                                                                              "world2_checkpointing", "world2_gathered"])
+                                                                              "world2_checkpointing", "world2_gathered",
+                                                                              "world2_deprecated_micro"])
 def test_one_update_is_independent_of_batching(oracle_results, variant, tiny_model_dir):
     base, other = oracle_results["base"], oracle_results[variant]
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
@@ -434,6 +453,14 @@ def test_one_update_is_independent_of_batching(oracle_results, variant, tiny_mod
     assert moved == len(base["weights"]), "every parameter should move after one AdamW step"
     assert other["metrics"]["actor/pg_loss"] == pytest.approx(base["metrics"]["actor/pg_loss"], rel=1e-4, abs=1e-6)
     assert other["metrics"]["actor/grad_norm"] == pytest.approx(base["metrics"]["actor/grad_norm"], rel=1e-4)
+
+
+def test_verls_deprecated_global_micro_batch_is_split_over_the_ranks(oracle_results):
+    """actor.ppo_micro_batch_size (verl's deprecated global key) = 2 on 2 ranks is 1 row per micro-batch, as
+    ppo_micro_batch_size_per_gpu=1 (the update crashed on it before: only the _per_gpu key was read)."""
+    micro_batches = 8 // 2                                  # 8 rows over 2 ranks, 1 per micro-batch
+    assert oracle_results["world2_deprecated_micro"]["update_layer_calls"] == micro_batches
+    assert oracle_results["world2_micro1"]["update_layer_calls"] == micro_batches
 
 
 def test_gradient_checkpointing_recomputes_in_the_update(oracle_results):

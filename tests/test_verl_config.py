@@ -440,6 +440,24 @@ def test_config_path_and_name_flags(paths):
         config_file_path("a.yaml", "conf", "run")
 
 
+def test_config_name_ppo_trainer_reads_a_flat_copy_not_verls_composed_file(paths):
+    """--config-path DIR --config-name ppo_trainer: verl's own trainer config there (it composes Hydra config
+    groups) means minirl's defaults, as before; a user's flat copy of it, edited, is read (it was ignored)."""
+    from config import config_file_path
+    verls, users = paths["dir"] / "verl_config", paths["dir"] / "my_config"
+    verls.mkdir()
+    users.mkdir()
+    (verls / "ppo_trainer.yaml").write_text(yaml.safe_dump(
+        {"defaults": [{"actor@actor_rollout_ref.actor": "dp_actor"}, "_self_"], "data": {"max_prompt_length": 77}}))
+    assert config_file_path(None, str(verls), "ppo_trainer") is None
+    edited = minimal(paths)["backend_config"]
+    edited["data"]["max_prompt_length"] = 77
+    (users / "ppo_trainer.yaml").write_text(yaml.safe_dump(edited))
+    path = config_file_path(None, str(users), "ppo_trainer")
+    assert path == str(users / "ppo_trainer.yaml")
+    assert load_config(path, world_size=2).data.max_prompt_length == 77
+
+
 # verl v0.5.0's recipe/dapo/config/dapo_trainer.yaml (Apache-2.0, tests/data/verl/LICENSE), which main_dapo loads
 DAPO_RECIPE_YAML = "\n" + VERL_YAML_HEADER + """
 data:
