@@ -410,6 +410,32 @@ def check_agent_names(rows, key):
                               f"{' or '.join(AGENT_NAMES)}, or leave the column out (the tool loop)")
 
 
+TOOL_METHODS = ("create", "execute", "calc_reward", "release")       # verl's BaseTool: tools_kwargs[name][<m>_kwargs]
+
+
+def check_tools_kwargs(rows, tools, key):
+    """Every row's extra_info.tools_kwargs names tools of the tool yaml and verl's `<method>_kwargs` keys, before
+    any model loads: a misspelt name would otherwise reach no tool, which then runs without its arguments.
+    rows: (where, row) pairs; tools: {name: tool}; key: the data file key, for the message. Entries a parquet
+    struct holds as None (keys other rows set) are absent. Without a tool yaml the rows' tools_kwargs are not
+    used (verl's rollout reads them only when it has tools), so a tool row set runs without tools too."""
+    if not tools:
+        return
+    methods = [f"{method}_kwargs" for method in TOOL_METHODS]
+    for where, row in rows:
+        for name, per_tool in _tools_kwargs(row.get("extra_info")).items():
+            if per_tool is None:
+                continue
+            if name not in tools:
+                raise ConfigError(f"{key} {where}: extra_info.tools_kwargs names tool {name!r}, which the tool "
+                                  f"yaml (actor_rollout_ref.rollout.multi_turn.tool_config_path) does not define; "
+                                  f"its tools: {sorted(tools)}")
+            unknown = sorted(k for k, v in per_tool.items() if v is not None and k not in methods)
+            if unknown:
+                raise ConfigError(f"{key} {where}: extra_info.tools_kwargs[{name!r}] has {unknown}; verl's keys "
+                                  f"are {', '.join(methods)}")
+
+
 def _tools_kwargs(extra_info):
     return dict((extra_info or {}).get("tools_kwargs") or {})
 

@@ -228,6 +228,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
+            if isinstance(key, (list, dict)):       # `? [a, b]: 1`, or `{{ x }}` in an unquoted value
+                raise ConfigError(f"{self.source}: line {line} has a mapping whose key is a "
+                                  f"{type(key).__name__}; config keys are names. A value holding braces, such "
+                                  f"as a Jinja chat template, must be quoted")
             if isinstance(key, str) and key in lines:
                 raise ConfigError(f"{self.source}: key '{key}' is written twice in one mapping (lines {lines[key]} "
                                   f"and {line}); keep one (yaml would silently take the last)")

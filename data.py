@@ -268,13 +268,22 @@ class RLHFDataset:
         return f"{path}, row {row_number}"
 
     def check_prompt_lengths(self):
-        """With truncation=error, fail now, naming the first overlong row, rather than in the middle of training."""
+        """Fail now rather than in the middle of training: the first row must template to some tokens (a chat
+        template or tokenizer that renders nothing shows there), and with truncation=error no row may be longer
+        than max_prompt_length."""
+        if self.rows and not self._prompt_ids(self.rows[0]):
+            raise self._empty_prompt_error(0)
         if self.truncation != "error":
             return
         for i, row in enumerate(self.rows):
             length = len(self._prompt_ids(row))
             if length > self.max_prompt_length:
                 raise self._overlong_error(i, length)
+
+    def _empty_prompt_error(self, i):
+        return ValueError(f"{self.where(i)}: the templated prompt is 0 tokens: the chat template "
+                          f"(actor_rollout_ref.model.custom_chat_template, else the tokenizer's) renders nothing for "
+                          f"it, or the tokenizer encodes nothing (a model folder without its tokenizer files)")
 
     def _overlong_error(self, i, length):
         path, row_number, _ = self.origins[i]
@@ -285,6 +294,8 @@ class RLHFDataset:
     def __getitem__(self, i):
         row = self.rows[i]
         ids, raw_ids, multi_modal_data, multi_modal_inputs = self._encode(row)
+        if not ids:
+            raise self._empty_prompt_error(i)
         if len(ids) > self.max_prompt_length and (self.truncation == "error" or multi_modal_inputs):
             raise self._overlong_error(i, len(ids))       # cutting a prompt with images would cut image tokens
         ids = truncate_ids(ids, self.max_prompt_length, self.truncation)

@@ -150,7 +150,7 @@ class Trainer:
         for key, dataset in (("data.train_files", self.train_set), ("data.val_files", self.val_set)):
             if dataset is None:
                 continue
-            dataset.check_prompt_lengths()                      # truncation=error: fail before loading
+            dataset.check_prompt_lengths()             # empty prompts, truncation=error: fail before loading
             if dataset.filter_summary() and self.rank == 0:    # verl prints the filtered length too
                 print(f"{key}: {dataset.filter_summary()}", flush=True)
         if self.train_set.template_ignores_tools() and self.rank == 0:
@@ -166,8 +166,9 @@ class Trainer:
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)
             if self.interactions:          # every row's interaction_kwargs names one of the yaml's
                 interactions.check_rows(self.interactions, rows, "data file")
-            if use_agent:                  # and its agent_name is an agent loop minirl runs
+            if use_agent:                  # its agent_name is an agent loop minirl runs, its tools_kwargs our tools
                 agent.check_agent_names(rows, "data file")
+                agent.check_tools_kwargs(rows, self.tools, "data file")
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         lora.check_models(cfg)                        # LoRA targets that match no layer: likewise
         check_model_fits_rollout(cfg, self.device.type)    # what vLLM would refuse once loaded; hf: a length warning

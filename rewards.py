@@ -211,6 +211,9 @@ def load_reward_fn(path=None, name="compute_score"):
         raise FileNotFoundError(f"custom_reward_function.path={path!r} is not a file; point it at a .py file "
                                 f"defining {name}(data_source, solution_str, ground_truth, extra_info=None)")
     spec = importlib.util.spec_from_file_location("minirl_custom_reward", path)
+    if spec is None:                                  # not a name Python imports (no .py)
+        raise ConfigError(f"custom_reward_function.path={path!r} is not a Python file; point it at a .py file "
+                          f"defining {name}(data_source, solution_str, ground_truth, extra_info=None)")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -252,7 +255,7 @@ def needs_ground_truth(fn):
 
 def check_rows(fn, rows, reward_fn_key="data_source"):
     """Before any model loads: every row's `reward_fn_key` value names a data source `fn` can score and, unless fn
-    declares otherwise, the row has a ground truth (for the built-in rewards, text or a number, not bytes).
+    declares otherwise, the row has a ground truth (for the built-in rewards, text: not bytes, not a number).
     rows: [(where, row dict)], where = "file, row N"; fn None (a reward model scores) checks the column only.
     Raises ValueError naming the first bad row and the fix."""
     for where, row in rows:
@@ -275,9 +278,11 @@ def check_rows(fn, rows, reward_fn_key="data_source"):
             raise ValueError(f"{where}: reward_model.ground_truth is missing (data_source={source!r}), so the rule "
                              f"reward could only score the format; add the answers to the data, or use a custom "
                              f"reward function that declares `compute_score.needs_ground_truth = False`")
-        if fn is default_compute_score and isinstance(truth, bytes):
-            raise ValueError(f"{where}: reward_model.ground_truth is bytes ({truth[:40]!r}), which the built-in "
-                             f"rewards, comparing text, would score wrong every time; store the answers as strings")
+        if fn is default_compute_score and not isinstance(truth, str):
+            # b'5' is not '5', 72 is not '72', and 5.0 (what pandas makes of an int column with gaps) is not '5'
+            shown = _excerpt(repr(truth), 40)
+            raise ValueError(f"{where}: reward_model.ground_truth is {type(truth).__name__} ({shown}), which the "
+                             f"built-in rewards, comparing text, would score wrong; store the answers as strings")
 
 
 @contextmanager

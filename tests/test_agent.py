@@ -237,6 +237,20 @@ def test_a_rows_agent_name_picks_verls_agent_loop(tok, fixture_tools):
         agent.check_agent_names([("t, row 4", {"agent_name": "react_agent"})], "data file")
 
 
+
+def test_tools_kwargs_must_name_the_yamls_tools_and_verls_method_keys(fixture_tools):
+    """A parquet struct holds None for a tool or key other rows set: absent, not an error."""
+    tool = next(iter(fixture_tools))
+    good = {"extra_info": {"tools_kwargs": {tool: {"create_kwargs": {"x": 1}, "execute_kwargs": None},
+                                            "other": None}}}
+    agent.check_tools_kwargs([("t, row 0", good), ("t, row 1", {"extra_info": {}})], fixture_tools, "data file")
+    agent.check_tools_kwargs([("t, row 0", {"extra_info": {"tools_kwargs": {"calc": {}}}})], {}, "data file")  # no tools
+    with pytest.raises(ConfigError, match=rf"data file t, row 3: extra_info.tools_kwargs\['{tool}'\] has "
+                                          r"\['creat_kwargs'\]; verl's keys are create_kwargs, execute_kwargs"):
+        agent.check_tools_kwargs([("t, row 3", {"extra_info": {"tools_kwargs": {tool: {"creat_kwargs": {"x": 1}}}}})],
+                                 fixture_tools, "data file")
+
+
 def test_hermes_parsing():
     parsed = tools.parse_hermes('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b '
                                 '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'

@@ -75,6 +75,17 @@ def test_answers_stored_as_bytes_are_named_for_the_built_in_rewards(tmp_path, to
     check_rows(custom(), rows)                                  # a custom function may take bytes
 
 
+@pytest.mark.parametrize("answer, shown", [(5, "int (5)"), (5.0, "float (5.0)"), (float("nan"), "float (nan)")])
+def test_answers_stored_as_numbers_are_named_for_the_built_in_rewards(tmp_path, tokenizer, answer, shown):
+    """Found: a gsm8k file with int answers trained with every score 0 (72 is not '72'); a float column (pandas'
+    int column with gaps) scored '5.0' against '5' as wrong."""
+    as_numbers = [dict(row, reward_model={"style": "rule", "ground_truth": answer}) for row in demo_rows()]
+    path, rows = dataset_rows(tmp_path, tokenizer, as_numbers)
+    with pytest.raises(ValueError, match=re.escape(f"{path}, row 0: reward_model.ground_truth is {shown}, which")):
+        check_rows(default_compute_score, rows)
+    check_rows(custom(), rows)                                  # a custom function may take numbers
+
+
 def test_a_good_file_passes_and_other_reward_fn_keys_work(tmp_path, tokenizer):
     _, rows = dataset_rows(tmp_path, tokenizer, demo_rows())
     check_rows(default_compute_score, rows)

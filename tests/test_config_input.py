@@ -66,6 +66,7 @@ def _bomb():
     ("data: !!python/object/apply:os.system ['echo hi']\n", r"yaml tags \(!!python/object/apply:os.system\)"),
     ("data:\n  1: 2\n", r"key 1 \(int\) at 'data' is not a name"),
     ("trainer:\n  yes: 2\n", r"key True \(bool\) at 'trainer' is not a name"),
+    ("? [a, b]\n: 1\n", r"line 1 has a mapping whose key is a list; config keys are names"),
     ("- a\n- b\n", r"the top level must be a mapping of keys, got list"),
     ("backend_config: 8\n", r"'backend_config' must be a mapping of verl's sections, got 8"),
     ("data:\n  train_batch_size: [1, 2\n", r"is not valid yaml: expected ',' or '\]'.* at line 3, column 1"),
@@ -92,6 +93,8 @@ def test_config_path_that_is_no_file(path):
 
 
 @pytest.mark.parametrize("override, pattern", [
+    # a Jinja template unquoted is a yaml flow mapping whose key is a mapping (it was a TypeError traceback)
+    ("actor_rollout_ref.model.custom_chat_template={{ bos_token }}", r"whose key is a dict; .* must be quoted"),
     ("actor_rollout_ref.rollout.temperature=0", r"temperature'=0 is out of range: valid is \(0, inf\) \(log-probs"),
     ("actor_rollout_ref.actor.optim.lr=1e400", r"'actor_rollout_ref.actor.optim.lr'=inf is not a finite number"),
     ("actor_rollout_ref.actor.optim.lr=-1e-6", r"lr'=-1e-06 is out of range: valid is \(0, inf\)"),

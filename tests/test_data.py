@@ -155,6 +155,18 @@ def test_check_prompt_lengths_names_the_first_overlong_row_up_front(tmp_path, to
     RLHFDataset(path, tokenizer, max_prompt_length=short, truncation="left").check_prompt_lengths()   # no error
 
 
+def test_a_template_that_renders_nothing_is_named_up_front(tmp_path, tokenizer):
+    """A custom chat template that renders nothing (or a tokenizer without its files) made 0-token prompts, which
+    crashed inside HF generate after the models loaded: the first row is checked at start-up, every row when
+    taken."""
+    path = write_rows(tmp_path / "rows.parquet", ["1", "2"])
+    ds = RLHFDataset(path, tokenizer, max_prompt_length=64, chat_template="{% if false %}x{% endif %}")
+    with pytest.raises(ValueError, match=r"rows.parquet, row 0: the templated prompt is 0 tokens: the chat template"):
+        ds.check_prompt_lengths()
+    with pytest.raises(ValueError, match=r"rows.parquet, row 1: the templated prompt is 0 tokens"):
+        ds[1]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Item fields, collate, bad input
 # ------------------------------------------------------------------------------------------------------------

@@ -125,19 +125,34 @@ def test_bad_tool_yaml_fails_before_models_load(box_dir, tmp_path):
 
 
 
-def test_an_unknown_agent_name_fails_before_models_load(box_dir, tmp_path):
-    """A row whose agent_name is no agent loop minirl runs (verl's column; here the train file's row 2) stops the
-    run under torchrun before any model loads, naming the file, the row and the names that work."""
-    rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
+def _name_agents(rows):          # every row: pyarrow takes the columns from the first row
     for index, row in enumerate(rows):
         row["agent_name"] = "react_agent" if index == 2 else "tool_agent"
+
+
+def _misspell_tool(rows):
+    rows[2]["extra_info"]["tools_kwargs"] = {"open_safe": rows[2]["extra_info"]["tools_kwargs"]["open_box"]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (_name_agents,
+     "agent_name 'react_agent' is not an agent loop minirl runs; use tool_agent or single_turn_agent"),
+    # found: the tool then ran without its create_kwargs (code None), and the run trained on it
+    (_misspell_tool, "extra_info.tools_kwargs names tool 'open_safe', which the tool yaml "
+                     "(actor_rollout_ref.rollout.multi_turn.tool_config_path) does not define; its tools: ['open_box']"),
+])
+def test_a_row_naming_an_unknown_agent_or_tool_fails_before_models_load(box_dir, tmp_path, change, message):
+    """A row whose agent_name is no agent loop minirl runs (verl's column), or whose tools_kwargs names a tool the
+    tool yaml lacks (here the train file's row 2), stops the run under torchrun before any model loads, naming the
+    file, the row and the names that work."""
+    rows = pq.read_table(box_dir / "data" / "train.parquet").to_pylist()
+    change(rows)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     args = [arg.replace(f"{box_dir}/data/train.parquet", str(tmp_path / "train.parquet"))
             for arg in overrides(box_dir, tmp_path, "hf", "async")]
     out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", *args, expect_ok=False)
     assert out.returncode != 0
-    assert (f"config error: data file {tmp_path / 'train.parquet'}, row 2: agent_name 'react_agent' is not an agent "
-            f"loop minirl runs; use tool_agent or single_turn_agent") in out.stderr
+    assert f"config error: data file {tmp_path / 'train.parquet'}, row 2: {message}" in out.stderr, out.stderr[-3000:]
     assert "Loading weights" not in out.stderr + out.stdout
 
 

@@ -286,6 +286,10 @@ def test_load_reward_fn_errors(tmp_path):
     path.write_text(CUSTOM)
     with pytest.raises(ConfigError, match=r"custom_reward_function.name='nope'.*\['compute_score', 'exact'\]"):
         load_reward_fn(str(path), "nope")
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match=r"custom_reward_function.path='.*train.parquet' is not a Python file"):
+        load_reward_fn(str(data))
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ImportError, match="broken.py"):
