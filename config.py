@@ -314,7 +314,11 @@ def read_config_file(path):
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"{source} is not UTF-8 text (bad byte at offset {err.start}); save it as UTF-8") from None
-    return parse_yaml(text, source)
+    raw = parse_yaml(text, source)
+    if raw is None:          # verl's defaults alone would train GAE without a critic, the error naming neither
+        raise ConfigError(f"{source} holds no keys (it is empty, or comments only); write the config into it, or "
+                          f"leave --config out to start from verl's defaults")
+    return raw
 
 
 def parse_override(text):
@@ -672,6 +676,11 @@ def settings_without_effect(cfg):
         found.append(f"config key 'algorithm.use_pf_ppo'=true has no effect with algorithm.adv_estimator="
                      f"{alg.adv_estimator}: PF-PPO resamples the batch after GAE only (as verl); use "
                      f"algorithm.adv_estimator=gae with a critic")
+    rollout = cfg.actor_rollout_ref.rollout
+    if not rollout.do_sample and rollout.n > 1 and alg.adv_estimator != "gae":     # temperature=0 is refused
+        found.append(f"config key 'actor_rollout_ref.rollout.do_sample'=false decodes greedily, so the n="
+                     f"{rollout.n} responses to a prompt are identical and {alg.adv_estimator}'s advantages, "
+                     f"relative to the group, are all zero: nothing is learned; set do_sample=true (verl's default)")
     return found
 
 

@@ -70,7 +70,7 @@ from batch_plan import batch_plan, format_plan, generation_batch_size, needs_ref
 from config import (ConfigError, config_file_path, dapo_reward_arguments, load_config, multi_turn_on,
                     planning_world_size, settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
-from models import AdapterDisabled, Critic, Policy, RewardModel
+from models import AdapterDisabled, Critic, Policy, RewardModel, check_model_folders
 from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_in_processes,
                      score_responses, token_level_scores)
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
@@ -130,6 +130,7 @@ class Trainer:
         if device_type == "cpu":        # share the cores between the ranks of this node
             share_cpu(int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         resolve_paths(cfg)
+        check_model_folders(cfg)                  # config.json, weights, tokenizer files: named by key, not deep inside
         arr, data = cfg.actor_rollout_ref, cfg.data
         self.tokenizer = AutoTokenizer.from_pretrained(data.tokenizer or arr.model.path,
                                                        trust_remote_code=arr.model.trust_remote_code)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,39 @@ from runtime import sampling_seed
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and sharding
+
+WEIGHT_FILES = ("*.safetensors", "*.bin")             # Hugging Face's weights, whole or in shards
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_folders(cfg):
+    """Before anything loads: each model folder the run builds holds a config.json that parses and weights, and
+    the tokenizer's folder tokenizer files. A broken copy is named by its key here; inside transformers it was a
+    traceback or a misleading hint (an empty folder asked for sentencepiece; a folder without tokenizer files
+    loaded an empty tokenizer, and every prompt became 0 tokens)."""
+    arr = cfg.actor_rollout_ref
+    folders = [("actor_rollout_ref.model.path", arr.model.path)]
+    if cfg.algorithm.adv_estimator == "gae":
+        folders.append(("critic.model.path", cfg.critic.model.path))
+    if cfg.reward_model.enable:
+        folders.append(("reward_model.model.path", cfg.reward_model.model.path))
+    fix = "point it at a complete Hugging Face model folder, or copy the model again"
+    for dotted, folder in folders:
+        folder = Path(folder)
+        try:
+            json.loads((folder / "config.json").read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config key '{dotted}': {folder} has no config.json; {fix}") from None
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"config key '{dotted}': {folder / 'config.json'} cannot be read as JSON ({err}); "
+                              f"{fix}") from None
+        if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"config key '{dotted}': {folder} holds no weights ({', '.join(WEIGHT_FILES)}); {fix}")
+    dotted = "data.tokenizer" if cfg.data.tokenizer else "actor_rollout_ref.model.path"
+    folder = Path(cfg.data.tokenizer or arr.model.path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"config key '{dotted}': {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                          f"{fix}")
 
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,

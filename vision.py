@@ -170,7 +170,8 @@ def decode_image(value, base_dir):
     elif isinstance(value, str) and value:
         source = Path(value) if Path(value).is_absolute() else Path(base_dir) / value
         if not source.is_file():
-            raise FileNotFoundError(f"image file {source} does not exist")
+            raise FileNotFoundError(f"image file {source} " + ("is not a file" if source.exists() else
+                                                                "does not exist"))
     else:
         raise ValueError(f"expected image bytes, a path or a {{'bytes', 'path'}} struct, got {value!r:.80}")
     with Image.open(source) as image:

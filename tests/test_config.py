@@ -565,6 +565,21 @@ def test_verl_keys_that_change_the_algorithm_are_refused(paths):
             load_config(write(paths, minimal(paths)), [override], world_size=2)
 
 
+def test_greedy_decoding_of_a_group_is_named_as_learning_nothing(paths):
+    """do_sample=false with n > 1: every response of a group is the same, so a group estimator's advantages are all
+    zero (temperature=0, the same thing, is refused; do_sample is verl's key and loads, with this warning)."""
+    cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.do_sample=false"], world_size=2)
+    assert settings_without_effect(cfg) == [
+        "config key 'actor_rollout_ref.rollout.do_sample'=false decodes greedily, so the n=2 responses to a prompt "
+        "are identical and grpo's advantages, relative to the group, are all zero: nothing is learned; set "
+        "do_sample=true (verl's default)"]
+    cfg = load_config(write(paths, minimal(paths)), ["actor_rollout_ref.rollout.do_sample=false",
+                                                     "actor_rollout_ref.rollout.n=1", "data.train_batch_size=4",
+                                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+                      world_size=2)
+    assert settings_without_effect(cfg) == []
+
+
 def test_pf_ppo_settings_are_checked_and_named_where_they_do_nothing(paths):
     cfg = load_config(write(paths, minimal(paths)), ["algorithm.pf_ppo.reweight_method=max_min",
                                                      "algorithm.pf_ppo.weight_pow=1.0"], world_size=2)

@@ -67,6 +67,7 @@ def _bomb():
     ("data:\n  1: 2\n", r"key 1 \(int\) at 'data' is not a name"),
     ("trainer:\n  yes: 2\n", r"key True \(bool\) at 'trainer' is not a name"),
     ("? [a, b]\n: 1\n", r"line 1 has a mapping whose key is a list; config keys are names"),
+    ("# data:\n#   train_batch_size: 8\n", r"holds no keys \(it is empty, or comments only\)"),
     ("- a\n- b\n", r"the top level must be a mapping of keys, got list"),
     ("backend_config: 8\n", r"'backend_config' must be a mapping of verl's sections, got 8"),
     ("data:\n  train_batch_size: [1, 2\n", r"is not valid yaml: expected ',' or '\]'.* at line 3, column 1"),

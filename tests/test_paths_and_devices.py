@@ -249,3 +249,27 @@ def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
     with pytest.raises(ValueError, match=r"'critic.model.path': cannot open 'hdfs://namenode:9000/models/critic'.*"
                                          r"libhdfs"):
         resolve_paths(cfg)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda m: (m / "config.json").unlink(), r"model.path': .*/model has no config.json; point it at a complete"),
+    (lambda m: (m / "config.json").write_text("{not json"), r"model.path': .*config.json cannot be read as JSON"),
+    (lambda m: [f.unlink() for f in m.glob("*.safetensors")], r"model.path': .*/model holds no weights \(\*.safetensors"),
+    (lambda m: [f.unlink() for f in m.glob("*") if f.name.startswith(("tokenizer", "vocab"))],
+     r"model.path': .*/model has no tokenizer files \(tokenizer.json"),
+])
+def test_a_broken_model_folder_is_named_by_its_key_before_anything_loads(demo_dir, tmp_path, damage, message):
+    """Found by fuzzing: inside transformers a folder without weights or with a bad config.json was a traceback, an
+    empty one asked for sentencepiece, and one without tokenizer files loaded an empty tokenizer (every prompt 0
+    tokens). The demo's model, whole, passes."""
+    import shutil
+    from models import check_model_folders
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir / "model", model)
+    overrides = [f"actor_rollout_ref.model.path={model}", f"data.train_files={demo_dir}/data/train.parquet",
+                 f"af_output_dir={tmp_path / 'out'}"]
+    check_model_folders(load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides))
+    damage(model)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides)
+    with pytest.raises(ValueError, match=message):
+        check_model_folders(cfg)

@@ -105,6 +105,7 @@ def test_prompt_length_counts_expanded_image_tokens(processor, tmp_path):
     ("two_markers", r"bad.parquet, row 1: the prompt has 2 <image> marker\(s\) but column 'images' holds 1"),
     ("corrupt", r"bad.parquet, row 1, column 'images', image 0: cannot read the image"),
     ("missing", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*nowhere.png does not exist"),
+    ("folder", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*/sub is not a file"),
     ("video", r"bad.parquet, row 1, column 'videos': the row has videos"),
 ])
 def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, match):
@@ -116,6 +117,10 @@ def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, ma
     elif case == "missing":                          # paths are relative to the parquet's folder
         (tmp_path / "here.png").write_bytes(png())
         images = [["here.png"], ["nowhere.png"]]
+    elif case == "folder":                           # it said "does not exist" of a folder
+        (tmp_path / "here.png").write_bytes(png())
+        (tmp_path / "sub").mkdir()
+        images = [["here.png"], ["sub"]]
     else:
         extra["videos"] = [None, ["clip.mp4"]]
     path = write_vl_rows(tmp_path / "bad.parquet", prompts, images, **extra)
