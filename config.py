@@ -99,12 +99,19 @@ def _schema_at(path):
     return node
 
 
+# keys of older verl versions that verl v0.5.0 replaced: the replacement, for the unknown-key hint
+RENAMED_KEYS = {"use_token_level_loss": "it became 'actor_rollout_ref.actor.loss_agg_mode' (token-mean for true, "
+                                        "seq-mean-token-mean for false)"}
+
+
 def _unknown_key_hint(path):
     """Where an unknown key probably belongs: the same name, of a key or a section, elsewhere first (e.g.
     'ppo_epochs' under 'data', 'custom_chat_template' under 'data' for the model's, 'overlong_buffer' under
     'custom_reward_function' for the reward model's section), else a close spelling among its siblings, else
     a close dotted key anywhere."""
     parent, key = path[:-1], path[-1]
+    if key in RENAMED_KEYS:
+        return RENAMED_KEYS[key]
     same = list(dict.fromkeys(k[:k.index(f".{key}.") + len(key) + 1] if f".{key}." in k else k
                               for k in ALL_KEYS if k.endswith("." + key) or f".{key}." in k))   # a key or a section
     if same:
@@ -475,12 +482,19 @@ def load_config(path=None, overrides=(), world_size=None, check_paths=True):
     tree = default_tree()
     for layer, source in config_layers(path) if path is not None else []:
         _merge_layer(tree, layer, source)
+    unknown = []                 # every override's unknown keys in one error: an old script has several
     for text in overrides:
         parts, value = parse_override(text)
         source = f"override '{_cut(text, 80)}'"
         if not parts and not isinstance(value, dict):
             raise ConfigError(f"{source}: 'backend_config' must be a mapping of verl's sections, got {_show(value)}")
-        _merge_layer(tree, _nest(parts, value), source)
+        found = []
+        _merge(tree, _nest(parts, value), [], source, found)
+        unknown += [(path, source) for path in found]
+    if len(unknown) == 1:
+        raise _unknown_keys_error([unknown[0][0]], unknown[0][1])
+    if unknown:
+        raise _unknown_keys_error([path for path, _ in unknown], f"{len(overrides)} command-line overrides")
     resolve_interpolations(tree, f"config file '{path}' or an override" if path is not None else "the overrides")
     cfg = Config.wrap(tree)
     check_types(cfg)

@@ -237,6 +237,15 @@ def test_unknown_override_key(paths):
     # nothing near it: a key of a newer verl or of a recipe (the one-step-off-policy recipe's yaml has this one)
     with pytest.raises(ConfigError, match=r"'trainer.weight_sync_with_ray' .*: not a key of verl v0\.5\.0's"):
         load_config(write(paths, minimal(paths)), ["trainer.weight_sync_with_ray=true"], world_size=2)
+    # several overrides' unknown keys in one error (an old script has several), an old verl key with its successor
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(paths, minimal(paths)), ["trainer.totl_epochs=3", "data.train_batch_size=8",
+                                                   "actor_rollout_ref.actor.use_token_level_loss=true"], world_size=2)
+    assert str(caught.value) == (
+        "2 unknown config keys (from 3 command-line overrides):\n"
+        "  'trainer.totl_epochs': did you mean 'trainer.total_epochs'?\n"
+        "  'actor_rollout_ref.actor.use_token_level_loss': it became 'actor_rollout_ref.actor.loss_agg_mode' "
+        "(token-mean for true, seq-mean-token-mean for false)")
 
 
 @pytest.mark.parametrize("override, pattern", [
