@@ -71,8 +71,8 @@ from config import (ConfigError, config_file_path, dapo_reward_arguments, load_c
                     planning_world_size, settings_without_effect)
 from data import PromptLoader, RLHFDataset, check_dataset_sizes, collate
 from models import AdapterDisabled, Critic, Policy, RewardModel, check_model_folders
-from rewards import (add_overlong_penalty, check_rows, load_reward_fn, score_batch, score_in_processes,
-                     score_responses, token_level_scores)
+from rewards import (add_overlong_penalty, check_reward_signature, check_rows, load_reward_fn, score_batch,
+                     score_in_processes, score_responses, token_level_scores)
 from runtime import (check_output_folders, claim_output_folder, init_distributed, pick_device, resolve_paths,
                      sampling_seed, seed_everything, share_cpu)
 from rollout import (Sampling, build_rollout, check_model_fits_rollout, pad_logprobs, responses_to_batch,
@@ -162,6 +162,8 @@ class Trainer:
         self.loader = PromptLoader(self.train_set, generation_batch_size(cfg), shuffle=data.shuffle, seed=data.seed)
         self.total_steps = total_training_steps(cfg, len(self.loader))
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        if cfg.custom_reward_function.path:      # it can take what its reward manager passes: fail before loading
+            check_reward_signature(self.reward_fn, cfg.reward_model.reward_manager, cfg.reward_model.reward_kwargs)
         for dataset in filter(None, (self.train_set, self.val_set)):    # every row can be scored: fail before loading
             rows = [(dataset.where(i), row) for i, row in enumerate(dataset.rows)]
             check_rows(None if cfg.reward_model.enable else self.reward_fn, rows, data.reward_fn_key)

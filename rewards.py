@@ -18,6 +18,7 @@ The answer comparisons (verl's MATH normal form, Minerva's, our stand-in for mat
 math_grader.py.
 """
 import importlib.util
+import inspect
 import math
 import multiprocessing
 import os
@@ -225,6 +226,29 @@ def load_reward_fn(path=None, name="compute_score"):
         raise ConfigError(f"custom_reward_function.name={name!r} is not a function in {path!r}; functions "
                           f"there: {available}")
     return fn
+
+
+def check_reward_signature(fn, reward_manager, reward_kwargs):
+    """Before any model loads: a custom reward function takes the arguments its reward manager will pass (else the
+    first call, after generation, would fail): keywords data_source, solution_str, ground_truth, extra_info (naive,
+    dapo), the same four positionally (prime), or the batch's lists and reward_kwargs (batch)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):              # a builtin or C function: nothing to read
+        return
+    keywords = ("data_source", "solution_str", "ground_truth", "extra_info")
+    try:
+        if reward_manager == "batch":
+            signature.bind(data_sources=[], solution_strs=[], ground_truths=[], extra_infos=[], **reward_kwargs)
+        elif reward_manager == "prime":
+            signature.bind(*keywords)
+        else:
+            signature.bind(**dict.fromkeys(keywords))
+    except TypeError as err:
+        wanted = ("data_sources, solution_strs, ground_truths, extra_infos (keywords), plus reward_kwargs"
+                  if reward_manager == "batch" else ", ".join(keywords))
+        raise ConfigError(f"custom_reward_function {getattr(fn, '__name__', fn)}{signature} cannot take what "
+                          f"reward_model.reward_manager={reward_manager} passes ({wanted}): {err}") from None
 
 
 def _excerpt(text, width=120):

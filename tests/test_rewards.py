@@ -15,8 +15,9 @@ import math_grader as grader  # noqa: E402
 from config_keys import ConfigError  # noqa: E402
 from math_grader import geo3k_extract_boxed, geo3k_grade_answer, math_normalize, minerva_normalize  # noqa: E402
 from rewards import (  # noqa: E402
-    check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score, gsm8k_extract_solution,
-    load_reward_fn, math_compute_score, math_dapo_compute_score, math_last_boxed_answer, minirl_add_compute_score,
+    check_reward_signature, check_rows, default_compute_score, geo3k_compute_score, gsm8k_compute_score,
+    gsm8k_extract_solution, load_reward_fn, math_compute_score, math_dapo_compute_score, math_last_boxed_answer,
+    minirl_add_compute_score,
     RewardFunctionError, overlong_penalties, score_batch, score_in_processes, score_responses, token_level_scores)
 
 
@@ -294,6 +295,30 @@ def test_load_reward_fn_errors(tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     with pytest.raises(ImportError, match="broken.py"):
         load_reward_fn(str(broken))
+
+
+def test_a_reward_function_that_cannot_take_its_managers_arguments_is_named_before_loading():
+    """Found by fuzzing: compute_score(solution_str, ground_truth) failed only at the first scoring, after the models
+    had loaded and generated."""
+    def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    def two_args(solution_str, ground_truth):
+        return 0.0
+
+    def batch_style(data_sources, solution_strs, ground_truths, extra_infos, scale=1.0):
+        return []
+
+    for manager in ("naive", "dapo", "prime"):
+        check_reward_signature(verl_style, manager, {})
+        with pytest.raises(ConfigError, match=rf"two_args\(solution_str, ground_truth\) cannot take what "
+                                              rf"reward_model.reward_manager={manager} passes \(data_source, "):
+            check_reward_signature(two_args, manager, {})
+    check_reward_signature(batch_style, "batch", {"scale": 2.0})
+    with pytest.raises(ConfigError, match=r"reward_manager=batch passes .*unexpected keyword argument 'bonus'"):
+        check_reward_signature(batch_style, "batch", {"bonus": 1})
+    with pytest.raises(ConfigError, match=r"verl_style.*reward_manager=batch passes"):
+        check_reward_signature(verl_style, "batch", {})
 
 
 # --------------------------------------------------------------------------------------------- batch scoring
