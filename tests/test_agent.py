@@ -244,7 +244,8 @@ def test_tools_kwargs_must_name_the_yamls_tools_and_verls_method_keys(fixture_to
     good = {"extra_info": {"tools_kwargs": {tool: {"create_kwargs": {"x": 1}, "execute_kwargs": None},
                                             "other": None}}}
     agent.check_tools_kwargs([("t, row 0", good), ("t, row 1", {"extra_info": {}})], fixture_tools, "data file")
-    agent.check_tools_kwargs([("t, row 0", {"extra_info": {"tools_kwargs": {"calc": {}}}})], {}, "data file")  # no tools
+    no_tools = {}                                # without a tool yaml the rows' tools_kwargs are not used
+    agent.check_tools_kwargs([("t, row 0", {"extra_info": {"tools_kwargs": {"calc": {}}}})], no_tools, "data file")
     with pytest.raises(ConfigError, match=rf"data file t, row 3: extra_info.tools_kwargs\['{tool}'\] has "
                                           r"\['creat_kwargs'\]; verl's keys are create_kwargs, execute_kwargs"):
         agent.check_tools_kwargs([("t, row 3", {"extra_info": {"tools_kwargs": {tool: {"creat_kwargs": {"x": 1}}}}})],

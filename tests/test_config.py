@@ -318,9 +318,9 @@ def test_missing_micro_batch_without_dynamic_bsz(paths):
 def test_a_deprecated_global_micro_batch_beside_its_per_gpu_key_names_both_values(paths):
     """A verl script's ppo_micro_batch_size on top of a file that sets ppo_micro_batch_size_per_gpu (the minimal
     config here, config.yaml for a user): the error says which values met and what to null."""
-    with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu' \(=2\) and the "
-                                          r"deprecated 'actor_rollout_ref\.actor\.ppo_micro_batch_size' \(=4\): set the "
-                                          r"other to null"):
+    with pytest.raises(ConfigError, match=r"'actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu' \(=2\) and "
+                                          r"the deprecated 'actor_rollout_ref\.actor\.ppo_micro_batch_size' \(=4\): "
+                                          r"set the other to null"):
         load_config(write(paths, minimal(paths)), ["actor_rollout_ref.actor.ppo_micro_batch_size=4"], world_size=2)
 
 

@@ -138,8 +138,8 @@ def _misspell_tool(rows):
     (_name_agents,
      "agent_name 'react_agent' is not an agent loop minirl runs; use tool_agent or single_turn_agent"),
     # found: the tool then ran without its create_kwargs (code None), and the run trained on it
-    (_misspell_tool, "extra_info.tools_kwargs names tool 'open_safe', which the tool yaml "
-                     "(actor_rollout_ref.rollout.multi_turn.tool_config_path) does not define; its tools: ['open_box']"),
+    (_misspell_tool, "extra_info.tools_kwargs names tool 'open_safe', which the tool yaml (actor_rollout_ref."
+                     "rollout.multi_turn.tool_config_path) does not define; its tools: ['open_box']"),
 ])
 def test_a_row_naming_an_unknown_agent_or_tool_fails_before_models_load(box_dir, tmp_path, change, message):
     """A row whose agent_name is no agent loop minirl runs (verl's column), or whose tools_kwargs names a tool the

@@ -254,7 +254,8 @@ def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
 @pytest.mark.parametrize("damage, message", [
     (lambda m: (m / "config.json").unlink(), r"model.path': .*/model has no config.json; point it at a complete"),
     (lambda m: (m / "config.json").write_text("{not json"), r"model.path': .*config.json cannot be read as JSON"),
-    (lambda m: [f.unlink() for f in m.glob("*.safetensors")], r"model.path': .*/model holds no weights \(\*.safetensors"),
+    (lambda m: [f.unlink() for f in m.glob("*.safetensors")],
+     r"model.path': .*/model holds no weights \(\*.safetensors"),
     (lambda m: [f.unlink() for f in m.glob("*") if f.name.startswith(("tokenizer", "vocab"))],
      r"model.path': .*/model has no tokenizer files \(tokenizer.json"),
 ])
