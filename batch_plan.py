@@ -237,9 +237,9 @@ def batch_plan(cfg, world_size):
         "micro_batches_per_mini_batch": "dynamic" if actor.use_dynamic_bsz else mini_per_rank // micro,
         "optimizer_steps_per_step": actor.ppo_epochs * mini_batches,
         "old_log_prob_micro_batch": micro_per_gpu(rollout.log_prob_micro_batch_size_per_gpu,
-                                                   rollout.log_prob_micro_batch_size, dp),
+                                                  rollout.log_prob_micro_batch_size, dp),
         "ref_log_prob_micro_batch": micro_per_gpu(ref.log_prob_micro_batch_size_per_gpu,
-                                                   ref.log_prob_micro_batch_size, ref_dp),
+                                                  ref.log_prob_micro_batch_size, ref_dp),
     }
     if cfg.algorithm.filter_groups.enable:
         plan.update(generation_batch=generation_batch_size(cfg), n=n)
