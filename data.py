@@ -173,12 +173,19 @@ class RLHFDataset:
         if not path.is_file():
             raise ValueError(f"data file {path} is not a regular file; point the config at a .parquet file")
         try:
+            names = pq.read_schema(path).names
+        except Exception as err:      # whatever the parquet reader trips on: a damaged or non-parquet file
+            raise _unreadable(path, err) from err
+        duplicated = sorted({name for name in names if names.count(name) > 1})
+        if duplicated:                # a valid file that pyarrow cannot turn into rows: not "damaged"
+            raise ValueError(f"data file {path} has the column(s) {duplicated} more than once; rename or drop the "
+                             f"copies")
+        try:
             table = pq.read_table(path)
             rows = table.to_pylist()
-        except Exception as err:      # whatever the parquet reader trips on: a damaged or non-parquet file
-            detail = (str(err).splitlines() or [""])[0][:200]
-            raise ValueError(f"data file {path} cannot be read as parquet ({type(err).__name__}: {detail}); it is "
-                             f"damaged, unreadable or not a parquet file: re-create or re-download it") from err
+        except Exception as err:      # a string that is not UTF-8 is one column's values, not a damaged file
+            column = _failing_column(path, names) if isinstance(err, UnicodeDecodeError) else None
+            raise _unreadable(path, err, column) from err
         for column in (self.prompt_key, *REQUIRED_COLUMNS):
             if column not in table.column_names:
                 verl_format = "preprocess the data into verl format (see `python data.py gsm8k`)"
@@ -340,6 +347,26 @@ def check_dataset_sizes(train_set, val_set, train_batch_size):
         fix = shorter_fix if val_set.dropped_overlong else "point data.val_files at rows to validate on"
         raise ValueError(f"data.val_files hold {held(val_set)}; {fix}, or set data.val_files=null to train "
                          f"without validation")
+
+
+def _unreadable(path, err, column=None):
+    detail = (str(err).splitlines() or [""])[0][:200]
+    if column is not None:            # the file's structure is sound: one column's values are not
+        return ValueError(f"data file {path} holds text that is not UTF-8 in column {column!r} ({detail}); "
+                          f"re-create the file with the strings encoded as UTF-8")
+    return ValueError(f"data file {path} cannot be read as parquet ({type(err).__name__}: {detail}); it is "
+                      f"damaged, unreadable or not a parquet file: re-create or re-download it")
+
+
+def _failing_column(path, names):
+    """The one column that cannot be read on its own, when the others can (else None)."""
+    failing = []
+    for name in names:
+        try:
+            pq.read_table(path, columns=[name]).to_pylist()
+        except Exception:
+            failing.append(name)
+    return failing[0] if len(failing) == 1 else None
 
 
 def _tools_kwargs_shape(tools_kwargs):

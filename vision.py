@@ -164,8 +164,10 @@ def decode_image(value, base_dir):
     (relative paths resolve against `base_dir`, the parquet's folder). Raises ValueError/OSError with the cause."""
     from PIL import Image
     if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
+        value = value.get("bytes") or value.get("path") or value.get("bytes")     # b"" without a path stays b""
     if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise ValueError("the image's bytes are empty (0 bytes); store the encoded image (PNG, JPEG, ...)")
         source = io.BytesIO(value)
     elif isinstance(value, str) and value:
         source = Path(value) if Path(value).is_absolute() else Path(base_dir) / value

@@ -226,6 +226,23 @@ def test_a_damaged_parquet_loads_or_names_the_file(good_parquet, tokenizer, corr
     assert all(item["origin"].startswith(f"{path}, row ") for item in items)
 
 
+def test_a_sound_file_with_a_duplicated_or_unreadable_column_names_the_column(tmp_path, tokenizer):
+    """Both said the file was damaged and should be re-downloaded; the file is sound, one column is not."""
+    rows = demo_rows()
+    table = pa.Table.from_pylist(rows)
+    duplicated = tmp_path / "dup.parquet"
+    pq.write_table(table.append_column("data_source", table.column("data_source")), duplicated)
+    with pytest.raises(ValueError, match=re.escape(f"data file {duplicated} has the column(s) ['data_source'] more "
+                                                   f"than once; rename or drop the copies")):
+        RLHFDataset(duplicated, tokenizer, max_prompt_length=64)
+    not_utf8 = tmp_path / "utf8.parquet"
+    bad = pa.array([b"\xff bad"] * len(rows), type=pa.binary()).view(pa.string())     # written without a check
+    pq.write_table(table.append_column("note", bad), not_utf8)
+    with pytest.raises(ValueError, match=re.escape(f"data file {not_utf8} holds text that is not UTF-8 in column "
+                                                   f"'note' ('utf-8' codec can't decode byte 0xff")):
+        RLHFDataset(not_utf8, tokenizer, max_prompt_length=64)
+
+
 def test_a_folder_or_missing_path_is_named(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=f"data file {tmp_path} is not a regular file"):
         RLHFDataset(tmp_path, tokenizer, max_prompt_length=64)

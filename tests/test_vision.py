@@ -106,6 +106,7 @@ def test_prompt_length_counts_expanded_image_tokens(processor, tmp_path):
     ("corrupt", r"bad.parquet, row 1, column 'images', image 0: cannot read the image"),
     ("missing", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*nowhere.png does not exist"),
     ("folder", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*/sub is not a file"),
+    ("empty_bytes", r"bad.parquet, row 1, column 'images', image 0: .*the image's bytes are empty \(0 bytes\)"),
     ("video", r"bad.parquet, row 1, column 'videos': the row has videos"),
 ])
 def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, match):
@@ -117,6 +118,8 @@ def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, ma
     elif case == "missing":                          # paths are relative to the parquet's folder
         (tmp_path / "here.png").write_bytes(png())
         images = [["here.png"], ["nowhere.png"]]
+    elif case == "empty_bytes":                      # it said "got None"
+        images[1] = [b""]
     elif case == "folder":                           # it said "does not exist" of a folder
         (tmp_path / "here.png").write_bytes(png())
         (tmp_path / "sub").mkdir()
