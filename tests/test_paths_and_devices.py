@@ -268,7 +268,7 @@ def test_a_broken_model_folder_is_named_by_its_key_before_anything_loads(demo_di
     model = tmp_path / "model"
     shutil.copytree(demo_dir / "model", model)
     overrides = [f"actor_rollout_ref.model.path={model}", f"data.train_files={demo_dir}/data/train.parquet",
-                 f"af_output_dir={tmp_path / 'out'}"]
+                 f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={tmp_path / 'out'}"]
     check_model_folders(load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides))
     damage(model)
     cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides)

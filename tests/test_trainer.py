@@ -369,8 +369,9 @@ def test_a_reward_function_name_the_file_lacks_is_a_config_error_without_a_trace
     reward = tmp_path / "reward.py"
     reward.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={demo_dir}/model",
-                   f"data.train_files={demo_dir}/data/train.parquet", f"af_output_dir={tmp_path / 'out'}",
-                   f"custom_reward_function.path={reward}", "custom_reward_function.name=nope", expect_ok=False)
+                   f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null",
+                   f"af_output_dir={tmp_path / 'out'}", f"custom_reward_function.path={reward}",
+                   "custom_reward_function.name=nope", expect_ok=False)
     assert out.returncode != 0 and "(exitcode: 2)" in out.stderr, out.stderr[-3000:]
     assert (f"config error: custom_reward_function.name='nope' is not a function in '{reward}'; functions there: "
             f"['my_score']") in out.stderr
