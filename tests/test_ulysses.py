@@ -301,14 +301,15 @@ def test_kv_heads_are_repeated_when_fewer_than_sp():
 
 def test_heads_sp_cannot_split_are_refused_before_weights_load(demo_dir, tmp_path):
     """Found running the trainer with sp=2 on a 3-head model: the error came after the weights had loaded. The
-    model folder here has a config.json (3 heads) and a tokenizer but no weights, so the run can only end with
-    the heads error if it is raised from the config alone."""
+    model folder here has a config.json (3 heads), a tokenizer and a weights file that holds no weights, so the run
+    can only end with the heads error if it is raised from the config alone."""
     from transformers import AutoConfig, AutoTokenizer
     model = tmp_path / "model_3_heads"
     config = AutoConfig.from_pretrained(demo_dir / "model")
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 96, 3, 3, 32
     config.save_pretrained(model)
     AutoTokenizer.from_pretrained(demo_dir / "model").save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"not weights")      # present (models.check_model_folders), unloadable
     out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={model}",
                    f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={tmp_path}",
                    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", expect_ok=False)
