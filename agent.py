@@ -436,6 +436,21 @@ def check_tools_kwargs(rows, tools, key):
                                   f"are {', '.join(methods)}")
 
 
+def missing_tools_kwargs_warning(rows, tools, key):
+    """A warning (or None) for rows that say extra_info.need_tools_kwargs yet give no tools_kwargs: their tools
+    are created without the row's arguments (a gsm8k tool without its ground truth), which verl's dataset warns
+    about too. rows and key as check_tools_kwargs; without a tool yaml nothing is needed."""
+    if not tools:
+        return None
+    lacking = [where for where, row in rows if (row.get("extra_info") or {}).get("need_tools_kwargs")
+               and not any(per_tool for per_tool in _tools_kwargs(row.get("extra_info")).values())]
+    if not lacking:
+        return None
+    return (f"{key} {lacking[0]}{f' and {len(lacking) - 1} more rows' if len(lacking) > 1 else ''}: "
+            f"extra_info.need_tools_kwargs is true but tools_kwargs is empty, so the tools are created without the "
+            f"row's arguments")
+
+
 def _tools_kwargs(extra_info):
     return dict((extra_info or {}).get("tools_kwargs") or {})
 

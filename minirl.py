@@ -172,6 +172,9 @@ class Trainer:
             if use_agent:                  # its agent_name is an agent loop minirl runs, its tools_kwargs our tools
                 agent.check_agent_names(rows, "data file")
                 agent.check_tools_kwargs(rows, self.tools, "data file")
+                lacking = agent.missing_tools_kwargs_warning(rows, self.tools, "data file")
+                if lacking and self.rank == 0:
+                    print(f"warning: {lacking}", file=sys.stderr, flush=True)
         ulysses.check_models(cfg)                     # heads that sp cannot split: from config.json, no weights
         lora.check_models(cfg)                        # LoRA targets that match no layer: likewise
         check_model_fits_rollout(cfg, self.device.type)    # what vLLM would refuse once loaded; hf: a length warning

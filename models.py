@@ -56,11 +56,37 @@ def check_model_folders(cfg):
                               f"{fix}") from None
         if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
             raise ConfigError(f"config key '{dotted}': {folder} holds no weights ({', '.join(WEIGHT_FILES)}); {fix}")
+        problem = _damaged_safetensors(folder)
+        if problem:
+            raise ConfigError(f"config key '{dotted}': {problem}; {fix}")
     dotted = "data.tokenizer" if cfg.data.tokenizer else "actor_rollout_ref.model.path"
     folder = Path(cfg.data.tokenizer or arr.model.path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"config key '{dotted}': {folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                           f"{fix}")
+
+
+def _damaged_safetensors(folder):
+    """What is wrong with the folder's safetensors weights, or None: a shard its index names that is missing, or a
+    file whose header does not parse or does not cover the file (a copy cut short). safe_open reads only the
+    header, so this costs nothing on a large model; inside transformers both were tracebacks."""
+    from safetensors import SafetensorError, safe_open
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            return f"{index} cannot be read as a weights index ({type(err).__name__}: {err})"
+        missing = sorted(name for name in shards if not (folder / name).is_file())
+        if missing:
+            return f"{index} names shards the folder lacks: {', '.join(missing)}"
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            return f"{path} is not a complete safetensors file ({err})"
+    return None
 
 
 def load_model(path, kind="causal", dtype=torch.float32, override_config=None, trust_remote_code=False,

@@ -252,6 +252,21 @@ def test_tools_kwargs_must_name_the_yamls_tools_and_verls_method_keys(fixture_to
                                  fixture_tools, "data file")
 
 
+def test_rows_that_need_tools_kwargs_and_lack_them_are_warned_about(fixture_tools):
+    """verl's dataset warns about such a row: its tools are created without the row's arguments."""
+    tool = next(iter(fixture_tools))
+    given = {"extra_info": {"need_tools_kwargs": True, "tools_kwargs": {tool: {"create_kwargs": {"x": 1}}}}}
+    unasked = {"extra_info": {"tools_kwargs": {}}}
+    lacking = {"extra_info": {"need_tools_kwargs": True, "tools_kwargs": {tool: None}}}     # a parquet struct's None
+    assert agent.missing_tools_kwargs_warning([("t, row 0", given), ("t, row 1", unasked)], fixture_tools,
+                                              "data file") is None
+    assert agent.missing_tools_kwargs_warning([("t, row 2", lacking)], {}, "data file") is None     # no tools
+    warning = agent.missing_tools_kwargs_warning([("t, row 0", given), ("t, row 2", lacking), ("t, row 5", lacking),
+                                                  ("t, row 6", lacking)], fixture_tools, "data file")
+    assert warning.startswith("data file t, row 2 and 2 more rows: extra_info.need_tools_kwargs is true but "
+                              "tools_kwargs is empty"), warning
+
+
 def test_hermes_parsing():
     parsed = tools.parse_hermes('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> b '
                                 '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'

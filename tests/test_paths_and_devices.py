@@ -251,6 +251,27 @@ def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
         resolve_paths(cfg)
 
 
+def _cut_short(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _split_into_shards(model, keep_last):
+    """The folder's one weights file as Hugging Face's two-shard layout (an index naming each tensor's shard), the
+    second shard left out unless keep_last."""
+    import json
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(model / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, shard_names in shards.items():
+        if keep_last or shard.startswith("model-00001"):
+            save_file({name: tensors[name] for name in shard_names}, model / shard, metadata={"format": "pt"})
+    (model / "model.safetensors").unlink()
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda m: (m / "config.json").unlink(), r"model.path': .*/model has no config.json; point it at a complete"),
     (lambda m: (m / "config.json").write_text("{not json"), r"model.path': .*config.json cannot be read as JSON"),
@@ -258,11 +279,16 @@ def test_resolve_paths_names_the_key_of_an_hdfs_path_it_cannot_open(tmp_path):
      r"model.path': .*/model holds no weights \(\*.safetensors"),
     (lambda m: [f.unlink() for f in m.glob("*") if f.name.startswith(("tokenizer", "vocab"))],
      r"model.path': .*/model has no tokenizer files \(tokenizer.json"),
+    (lambda m: _cut_short(m / "model.safetensors"),
+     r"model.path': .*/model.safetensors is not a complete safetensors file \(.*\); point it at a complete"),
+    (lambda m: _split_into_shards(m, keep_last=False),
+     r"model.path': .*model.safetensors.index.json names shards the folder lacks: model-00002-of-00002.safetensors"),
 ])
 def test_a_broken_model_folder_is_named_by_its_key_before_anything_loads(demo_dir, tmp_path, damage, message):
     """Found by fuzzing: inside transformers a folder without weights or with a bad config.json was a traceback, an
-    empty one asked for sentencepiece, and one without tokenizer files loaded an empty tokenizer (every prompt 0
-    tokens). The demo's model, whole, passes."""
+    empty one asked for sentencepiece, one without tokenizer files loaded an empty tokenizer (every prompt 0
+    tokens), and a weights file cut short or a shard missing from a sharded copy were tracebacks. The demo's model,
+    whole and split into two shards, passes."""
     import shutil
     from models import check_model_folders
     model = tmp_path / "model"
@@ -270,6 +296,11 @@ def test_a_broken_model_folder_is_named_by_its_key_before_anything_loads(demo_di
     overrides = [f"actor_rollout_ref.model.path={model}", f"data.train_files={demo_dir}/data/train.parquet",
                  f"data.val_files={demo_dir}/data/test.parquet", f"af_output_dir={tmp_path / 'out'}"]
     check_model_folders(load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model, sharded)
+    _split_into_shards(sharded, keep_last=True)
+    check_model_folders(load_config(Path(__file__).resolve().parents[1] / "config.yaml",
+                                    overrides + [f"actor_rollout_ref.model.path={sharded}"]))
     damage(model)
     cfg = load_config(Path(__file__).resolve().parents[1] / "config.yaml", overrides)
     with pytest.raises(ValueError, match=message):

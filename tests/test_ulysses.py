@@ -309,7 +309,8 @@ def test_heads_sp_cannot_split_are_refused_before_weights_load(demo_dir, tmp_pat
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 96, 3, 3, 32
     config.save_pretrained(model)
     AutoTokenizer.from_pretrained(demo_dir / "model").save_pretrained(model)
-    (model / "model.safetensors").write_bytes(b"not weights")      # present (models.check_model_folders), unloadable
+    from safetensors.torch import save_file
+    save_file({}, model / "model.safetensors")      # a whole file (models.check_model_folders) that holds no weights
     out = torchrun(2, "minirl.py", "--config", ROOT / "config.yaml", f"actor_rollout_ref.model.path={model}",
                    f"data.train_files={demo_dir}/data/train.parquet", "data.val_files=null", f"af_output_dir={tmp_path}",
                    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", expect_ok=False)
