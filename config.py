@@ -135,7 +135,7 @@ def _unknown_keys_error(paths, source):
 
 
 def _merge_layer(tree, layer, source):
-    """Merge one yaml file or override into the tree, refusing (all at once) the keys the schema does not know."""
+    """Merge one yaml file into the tree, refusing (all at once) the keys the schema does not know."""
     unknown = []
     _merge(tree, layer, [], source, unknown)
     if unknown:
