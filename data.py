@@ -223,7 +223,7 @@ class RLHFDataset:
                              f"model (e.g. Qwen2.5-VL) or drop the column")
 
     def _drop_overlong_prompts(self):
-        lengths = [len(self._prompt_ids(row)) for row in self.rows]
+        lengths = [len(self._prompt_ids(i)) for i in range(len(self.rows))]
         keep = [i for i, n in enumerate(lengths) if n <= self.max_prompt_length]
         self.dropped_overlong = len(self.rows) - len(keep)
         self.rows = [self.rows[i] for i in keep]
@@ -239,14 +239,19 @@ class RLHFDataset:
     def _messages(self, row):
         return row[self.prompt_key]
 
-    def _encode(self, row):
-        """(templated prompt ids (image tokens expanded), raw ids for the rollout, multi_modal_data,
+    def _encode(self, i):
+        """Row i's (templated prompt ids (image tokens expanded), raw ids for the rollout, multi_modal_data,
         multi_modal_inputs); the last two are None for a text model."""
+        row = self.rows[i]
         if self.processor is not None:
             import vision
-            images = vision.row_images(row, self.image_key, row["_folder"], "")
-            ids, raw_ids, inputs = vision.encode_prompt(self.processor, self._messages(row), images,
-                                                        self.chat_template, self.tools)
+            images = vision.row_images(row, self.image_key, row["_folder"], self.where(i))
+            try:
+                ids, raw_ids, inputs = vision.encode_prompt(self.processor, self._messages(row), images,
+                                                            self.chat_template, self.tools)
+            except ValueError as err:        # the processor's own refusal, named by the row it came from
+                raise vision.ImageError(f"{self.where(i)}: the processor cannot take the row's prompt and images "
+                                        f"({err}); fix or drop the row") from err
             return ids, raw_ids, {"image": images}, inputs
         text = self.tokenizer.apply_chat_template(self._messages(row), chat_template=self.chat_template,
                                                   tools=self.tools, add_generation_prompt=True, tokenize=False)
@@ -263,8 +268,8 @@ class RLHFDataset:
         return render(conversation, chat_template=self.chat_template, tools=self.tools, tokenize=False) == \
             render(conversation, chat_template=self.chat_template, tokenize=False)
 
-    def _prompt_ids(self, row):
-        return self._encode(row)[0]
+    def _prompt_ids(self, i):
+        return self._encode(i)[0]
 
     def __len__(self):
         return len(self.rows)
@@ -278,12 +283,12 @@ class RLHFDataset:
         """Fail now rather than in the middle of training: the first row must template to some tokens (a chat
         template or tokenizer that renders nothing shows there), and with truncation=error no row may be longer
         than max_prompt_length."""
-        if self.rows and not self._prompt_ids(self.rows[0]):
+        if self.rows and not self._prompt_ids(0):
             raise self._empty_prompt_error(0)
         if self.truncation != "error":
             return
-        for i, row in enumerate(self.rows):
-            length = len(self._prompt_ids(row))
+        for i in range(len(self.rows)):
+            length = len(self._prompt_ids(i))
             if length > self.max_prompt_length:
                 raise self._overlong_error(i, length)
 
@@ -300,7 +305,7 @@ class RLHFDataset:
 
     def __getitem__(self, i):
         row = self.rows[i]
-        ids, raw_ids, multi_modal_data, multi_modal_inputs = self._encode(row)
+        ids, raw_ids, multi_modal_data, multi_modal_inputs = self._encode(i)
         if not ids:
             raise self._empty_prompt_error(i)
         if len(ids) > self.max_prompt_length and (self.truncation == "error" or multi_modal_inputs):

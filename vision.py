@@ -195,13 +195,26 @@ def row_images(row, image_key, base_dir, where):
     return images
 
 
+def check_image_shape(image, where):
+    """Qwen2-VL's resize rule (its image processor's and vLLM's) run on the image's size alone, before any step:
+    it refuses an aspect ratio over 200 (a 5000 x 20 strip), which otherwise stopped the run at the row's turn."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    try:
+        smart_resize(image.height, image.width)
+    except ValueError as err:
+        raise ImageError(f"{where}: the image is {image.width} x {image.height} pixels, which Qwen2-VL's image "
+                         f"processor refuses ({err}); pad or crop it, or drop the row") from None
+
+
 def check_row(row, prompt_key, image_key, video_key, base_dir, where):
-    """Fail early on a row a vision-language model cannot take: videos, or `<image>` markers that do not match
-    the images. Returns the decoded images."""
+    """Fail early on a row a vision-language model cannot take: videos, an image the processor's resize refuses,
+    or `<image>` markers that do not match the images. Returns the decoded images."""
     if row.get(video_key):
         raise ImageError(f"{where}, column {video_key!r}: the row has videos, which minirl does not support yet; "
                          f"drop the column or the row")
     images = row_images(row, image_key, base_dir, where)
+    for k, image in enumerate(images):
+        check_image_shape(image, f"{where}, column {image_key!r}, image {k}")
     markers = count_markers(row[prompt_key])
     if markers != len(images):
         raise ImageError(f"{where}: the prompt has {markers} {IMAGE_MARKER} marker(s) but column {image_key!r} "

@@ -108,6 +108,8 @@ def test_prompt_length_counts_expanded_image_tokens(processor, tmp_path):
     ("folder", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*/sub is not a file"),
     ("empty_bytes", r"bad.parquet, row 1, column 'images', image 0: .*the image's bytes are empty \(0 bytes\)"),
     ("video", r"bad.parquet, row 1, column 'videos': the row has videos"),
+    ("strip", r"bad.parquet, row 1, column 'images', image 0: the image is 5000 x 20 pixels, which Qwen2-VL's image "
+              r"processor refuses \(absolute aspect ratio must be smaller than 200, got 250.0\); pad or crop it"),
 ])
 def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, match):
     prompts, images, extra = [VL_PROMPT, VL_PROMPT], [[png()], [png()]], {}
@@ -120,6 +122,11 @@ def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, ma
         images = [["here.png"], ["nowhere.png"]]
     elif case == "empty_bytes":                      # it said "got None"
         images[1] = [b""]
+    elif case == "strip":                            # refused by the processor when the row's turn came
+        from PIL import Image
+        strip = io.BytesIO()
+        Image.new("RGB", (5000, 20)).save(strip, format="PNG")
+        images[1] = [strip.getvalue()]
     elif case == "folder":                           # it said "does not exist" of a folder
         (tmp_path / "here.png").write_bytes(png())
         (tmp_path / "sub").mkdir()
@@ -129,6 +136,20 @@ def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, ma
     path = write_vl_rows(tmp_path / "bad.parquet", prompts, images, **extra)
     with pytest.raises(ValueError, match=match):
         RLHFDataset(path, processor.tokenizer, max_prompt_length=64, processor=processor)
+
+
+def test_a_prompt_the_processor_refuses_is_named_by_its_row(processor, tmp_path, monkeypatch):
+    """Whatever else the processor raises on a row (checked at load or at the row's turn) names the row."""
+    path = write_vl_rows(tmp_path / "rows.parquet", [VL_PROMPT, VL_PROMPT], [[png()], [png()]])
+    dataset = RLHFDataset(path, processor.tokenizer, max_prompt_length=64, processor=processor)
+    dataset[1]                                        # the row encodes
+
+    def refuse(*args, **kwargs):
+        raise ValueError("a refusal of the processor's")
+    monkeypatch.setattr(vision, "encode_prompt", refuse)
+    with pytest.raises(vision.ImageError, match=r"rows.parquet, row 1: the processor cannot take the row's prompt "
+                                                r"and images \(a refusal of the processor's\); fix or drop the row"):
+        dataset[1]
 
 
 def test_text_model_refuses_rows_with_images(processor, tmp_path):
