@@ -176,9 +176,12 @@ def decode_image(value, base_dir):
                                                                 "does not exist"))
     else:
         raise ValueError(f"expected image bytes, a path or a {{'bytes', 'path'}} struct, got {value!r:.80}")
-    with Image.open(source) as image:
-        image.load()                      # decode now: a truncated or corrupt file fails here, not in the rollout
-        return image.convert("RGB")
+    try:
+        with Image.open(source) as image:
+            image.load()                  # decode now: a truncated or corrupt file fails here, not in the rollout
+            return image.convert("RGB")
+    except Image.DecompressionBombError as err:       # not an OSError: it would escape the row's message
+        raise ValueError(f"{err} Pillow refuses an image that large; downscale it") from None
 
 
 def row_images(row, image_key, base_dir, where):

@@ -108,6 +108,8 @@ def test_prompt_length_counts_expanded_image_tokens(processor, tmp_path):
     ("folder", r"bad.parquet, row 1, column 'images', image 0: cannot read the image .*/sub is not a file"),
     ("empty_bytes", r"bad.parquet, row 1, column 'images', image 0: .*the image's bytes are empty \(0 bytes\)"),
     ("video", r"bad.parquet, row 1, column 'videos': the row has videos"),
+    ("bomb", r"bad.parquet, row 1, column 'images', image 0: cannot read the image \(Image size \(400000000 pixels\) "
+             r"exceeds limit .* Pillow refuses an image that large; downscale it\)"),
     ("strip", r"bad.parquet, row 1, column 'images', image 0: the image is 5000 x 20 pixels, which Qwen2-VL's image "
               r"processor refuses \(absolute aspect ratio must be smaller than 200, got 250.0\); pad or crop it"),
 ])
@@ -122,6 +124,11 @@ def test_bad_rows_fail_at_load_naming_file_and_row(processor, tmp_path, case, ma
         images = [["here.png"], ["nowhere.png"]]
     elif case == "empty_bytes":                      # it said "got None"
         images[1] = [b""]
+    elif case == "bomb":                             # Pillow's decompression-bomb guard: it was a bare traceback
+        from PIL import Image
+        bomb = io.BytesIO()
+        Image.new("1", (20000, 20000)).save(bomb, format="PNG")    # 48 KB of PNG, 400M pixels
+        images[1] = [bomb.getvalue()]
     elif case == "strip":                            # refused by the processor when the row's turn came
         from PIL import Image
         strip = io.BytesIO()
