@@ -657,7 +657,10 @@ def _load_role(folder, role, saved, wanted, rank, world_size):
         _log(f"{folder} has no extra state (save_contents lacked 'extra'): LR schedule and RNG start fresh")
     else:
         extra = _torch_load(folder / _shard_file("extra_state", world_size, rank))
-        role.scheduler.load_state_dict(extra["lr_scheduler"])
+        saved_lr, lr = role.resume_schedule(extra["lr_scheduler"])
+        if lr != saved_lr:
+            _log(f"{folder}: the LR schedule follows this run's optim settings from here: lr {lr:.6g} where the "
+                 f"checkpointed run would have gone on at {saved_lr:.6g}")
         role.load_checkpoint_counters(extra["counters"])
         set_rng_state(extra["rng"])
 

@@ -695,7 +695,20 @@ def settings_without_effect(cfg):
         found.append(f"config key 'actor_rollout_ref.rollout.do_sample'=false decodes greedily, so the n="
                      f"{rollout.n} responses to a prompt are identical and {alg.adv_estimator}'s advantages, "
                      f"relative to the group, are all zero: nothing is learned; set do_sample=true (verl's default)")
+    found += _greedy_validation_warnings(rollout.val_kwargs)
     return found
+
+
+def _greedy_validation_warnings(val):
+    """Validation decodes greedily unless do_sample=true with a temperature above 0 (as verl's rollouts do)."""
+    section = "actor_rollout_ref.rollout.val_kwargs"
+    if val.do_sample and val.temperature == 0:
+        return [f"config key '{section}.do_sample'=true has no effect at {section}.temperature=0: validation "
+                f"decodes greedily; set {section}.temperature (e.g. 1.0) to sample"]
+    if not val.do_sample and val.n > 1:
+        return [f"config key '{section}.n'={val.n} repeats a greedy validation: the {val.n} responses to a prompt "
+                f"are identical; set {section}.do_sample=true and a temperature to sample them"]
+    return []
 
 
 UNBUILT_MODEL_KEYS = {        # settings minirl reads only while building their model
@@ -914,6 +927,10 @@ def _check_algorithm(cfg):
     if alg.adv_estimator == "gae" and not cfg.critic.model.path:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: set 'critic.model.path', or choose a "
                           "critic-free estimator such as algorithm.adv_estimator=grpo")
+    if alg.adv_estimator == "grpo_passk" and cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator=grpo_passk gives each group's best response its lead over the "
+                          f"second best, so it needs 'actor_rollout_ref.rollout.n' >= 2 (got "
+                          f"{cfg.actor_rollout_ref.rollout.n})")
     if cfg.reward_model.enable and not cfg.reward_model.model.path:
         raise ConfigError("reward_model.enable is true but 'reward_model.model.path' is not set")
     if not cfg.actor_rollout_ref.model.path:

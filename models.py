@@ -530,6 +530,23 @@ class Worker:
     def load_checkpoint_counters(self, counters):
         self.skipped_steps = counters["skipped_steps"]
 
+    def resume_schedule(self, scheduler_state):
+        """Take the checkpoint's place in the LR schedule, keeping this run's schedule (optim.lr, warmup,
+        total_training_steps). LambdaLR's state alone (what verl's checkpoint manager loads; minirl differs on
+        purpose) restores the checkpoint's base lr, and the optimizer's state the lr its last step left, so a
+        resume with another optim.lr kept the old one and a cosine schedule
+        lengthened by more total steps trained a step at the old schedule's end (lr 0). With the same settings the
+        lr is the checkpoint's, bit for bit. Returns (the checkpoint's lr, this run's lr) of the first group."""
+        base_lrs = list(self.scheduler.base_lrs)                 # this run's optim.lr
+        self.scheduler.load_state_dict(scheduler_state)         # its place: last_epoch
+        saved_lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.base_lrs = base_lrs
+        lrs = [base * lmbda(self.scheduler.last_epoch) for base, lmbda in zip(base_lrs, self.scheduler.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs                            # get_last_lr() is what actor/lr logs
+        return saved_lr, lrs[0]
+
 
 class Policy(Worker):
     """A causal LM: the actor (trainable, with optimizer) or the reference (frozen). With model.lora_rank > 0 the

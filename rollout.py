@@ -331,12 +331,8 @@ class VLLMRollout:
         Returns (response token lists, log-prob lists of those tokens under the sampling distribution)."""
         from vllm import SamplingParams
         common = dict(n=1, max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
-                      ignore_eos=sampling.ignore_eos, stop_token_ids=[] if sampling.ignore_eos else list(self.eos_ids))
-        if sampling.greedy:
-            common.update(temperature=0.0, top_p=1.0, top_k=0)
-        else:
-            common.update(temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k if sampling.top_k > 0 else 0)
+                      ignore_eos=sampling.ignore_eos, stop_token_ids=[] if sampling.ignore_eos else list(self.eos_ids),
+                      **vllm_sampling_kwargs(sampling))
         per_request = isinstance(seed, (list, tuple))
         params = [SamplingParams(seed=s, **common) for s in seed] if per_request else SamplingParams(**common)
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
@@ -367,13 +363,41 @@ class VLLMRollout:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def vllm_sampling_kwargs(sampling):
+    """The distribution as vLLM's SamplingParams takes it: greedy is temperature 0, no top-k is 0."""
+    if sampling.greedy:
+        return dict(temperature=0.0, top_p=1.0, top_k=0)
+    return dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+
+
+def check_vllm_sampling(rollout):
+    """The training and validation samplings as vLLM's SamplingParams takes them, before any model loads: it
+    refuses a temperature over 2 or a top_p of 0 only when a step builds them, and it silently raises a training
+    temperature under 0.01 to 0.01, so it would sample from another distribution than the one the actor's
+    log-probs divide the logits for (exploding gradients at 1e-6)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    for section, validate in (("actor_rollout_ref.rollout", False), ("actor_rollout_ref.rollout.val_kwargs", True)):
+        asked = vllm_sampling_kwargs(Sampling.from_config(rollout, validate))
+        try:
+            params = SamplingParams(**asked)
+        except (VLLMValidationError, ValueError) as err:
+            raise ConfigError(f"vLLM refuses the sampling settings under '{section}' ({err}); change them, or "
+                              f"use the hf engine (actor_rollout_ref.rollout.name=hf)") from None
+        if not validate and params.temperature != asked["temperature"]:
+            raise ConfigError(f"'{section}.temperature'={asked['temperature']}: vLLM would sample at "
+                              f"{params.temperature} instead (it raises smaller temperatures) while the actor's "
+                              f"log-probs divide the logits by {asked['temperature']}; set it to "
+                              f"{params.temperature} or more, or use the hf engine")
+
+
 def check_model_fits_rollout(cfg, device_type):
     """Before any model loads, what vLLM would refuse only when it starts (after the trainer's models have
     loaded): on CPU a head size its kernel lacks; a max_model_len past the model's max_position_embeddings (vLLM
-    derives its limit from config.json and refuses longer ones unless the rope is scaled); a step budget
-    (max_num_batched_tokens, as the engine gets it) under max_num_seqs. With the hf engine a sequence past
-    max_position_embeddings is only warned about: generate and the training forward run it, on positions the
-    model never saw."""
+    derives its limit from config.json and refuses longer ones unless the rope is scaled); sampling settings it
+    refuses or changes; a step budget (max_num_batched_tokens, as the engine gets it) under max_num_seqs. With
+    the hf engine a sequence past max_position_embeddings is only warned about: generate and the training forward
+    run it, on positions the model never saw."""
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     if rollout.name == "vllm" and device_type == "cpu":
         check_cpu_head_dim(model.path, model.trust_remote_code)
@@ -391,6 +415,7 @@ def check_model_fits_rollout(cfg, device_type):
                           f"data.max_prompt_length + data.max_response_length) is more than the "
                           f"max_position_embeddings {limit} of {model.path}, which vLLM refuses: lower it to {limit} "
                           f"or less")
+    check_vllm_sampling(rollout)
     engine = vllm_engine_kwargs(cfg, torch.device(device_type))
     if engine["max_num_batched_tokens"] < engine["max_num_seqs"]:
         raise ConfigError(f"vLLM would get max_num_batched_tokens={engine['max_num_batched_tokens']} (a step's token "

@@ -448,11 +448,12 @@ def test_a_lora_setting_that_differs_from_the_checkpoints_is_named(ckpt_copy):
 
 @pytest.mark.parametrize("mode", ["resume_path", "auto"])
 def test_other_world_size_is_refused_by_the_trainer_before_models_load(run_a, demo_dir, data_file, tmp_path, mode):
-    """The model's weights file is unreadable here: a run that loaded its models before the check would fail on that
-    instead."""
+    """The model's weights file holds no weights here (a whole file, so the model-folder check passes it): a run
+    that loaded its models before the check would fail on that instead."""
+    from safetensors.torch import save_file
     model = tmp_path / "model"
     shutil.copytree(demo_dir / "model", model)
-    (model / "model.safetensors").write_bytes(b"not weights")
+    save_file({}, model / "model.safetensors")
     step = run_a / "checkpoints" / "global_step_4"
     where = ([f"trainer.resume_from_path={step}"] if mode == "resume_path"
              else [f"trainer.default_local_dir={run_a / 'checkpoints'}"])

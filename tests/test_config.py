@@ -195,6 +195,17 @@ def test_dynamic_sampling_settings_are_checked_before_loading(paths, overrides, 
     assert load_config(write(paths, minimal(paths)), ["data.gen_batch_size=8"], world_size=2).data.gen_batch_size == 8
 
 
+def test_grpo_passk_needs_two_responses_a_prompt(paths):
+    """Found by fuzzing: with rollout.n=1 the plan passed and the advantage raised at step 1, after the models had
+    loaded. grpo, rloo, opo and gpg take n=1 (the advantage falls back as verl's does)."""
+    n1 = ["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    with pytest.raises(ConfigError, match=r"adv_estimator=grpo_passk .* needs 'actor_rollout_ref.rollout.n' >= 2 "
+                                          r"\(got 1\)"):
+        load_config(write(paths, minimal(paths)), n1 + ["algorithm.adv_estimator=grpo_passk"], world_size=2)
+    load_config(write(paths, minimal(paths)), n1 + ["algorithm.adv_estimator=rloo"], world_size=2)
+    load_config(write(paths, minimal(paths)), ["algorithm.adv_estimator=grpo_passk"], world_size=2)
+
+
 def test_a_hub_id_as_model_path_says_how_to_get_a_local_copy(paths):
     """verl's example scripts pass actor_rollout_ref.model.path=Qwen/..., which verl downloads; minirl reads local
     or hdfs:// folders, and says so with the download command. A missing path that is no hub id gets no hint."""
@@ -587,6 +598,24 @@ def test_greedy_decoding_of_a_group_is_named_as_learning_nothing(paths):
                                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
                       world_size=2)
     assert settings_without_effect(cfg) == []
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["actor_rollout_ref.rollout.val_kwargs.n=4"],
+     "config key 'actor_rollout_ref.rollout.val_kwargs.n'=4 repeats a greedy validation: the 4 responses to a prompt "
+     "are identical; set actor_rollout_ref.rollout.val_kwargs.do_sample=true and a temperature to sample them"),
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=true"],
+     "config key 'actor_rollout_ref.rollout.val_kwargs.do_sample'=true has no effect at "
+     "actor_rollout_ref.rollout.val_kwargs.temperature=0: validation decodes greedily; set "
+     "actor_rollout_ref.rollout.val_kwargs.temperature (e.g. 1.0) to sample"),
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+      "actor_rollout_ref.rollout.val_kwargs.n=4"], None),
+])
+def test_a_greedy_validation_that_was_asked_to_sample_or_repeat_is_named(paths, overrides, warning):
+    """Found by fuzzing: val_kwargs.n=4 decoded greedily ran 4 identical generations, and do_sample=true at the
+    default val temperature 0 was greedy, both without a word."""
+    cfg = load_config(write(paths, minimal(paths)), overrides, world_size=2)
+    assert settings_without_effect(cfg) == ([warning] if warning else [])
 
 
 def test_pf_ppo_settings_are_checked_and_named_where_they_do_nothing(paths):

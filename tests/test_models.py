@@ -347,6 +347,39 @@ def test_lr_schedule_warmup_constant_and_cosine():
     assert ratio(2) == pytest.approx(2 / 5)                  # warmup = int(0.25 * 20) = 5 steps
 
 
+def test_a_resume_keeps_its_place_in_the_schedule_and_takes_this_runs_settings():
+    """Found by fuzzing: LambdaLR's state restored the checkpoint's base lr and the optimizer's state the lr its
+    last step left, so a resume with another optim.lr kept the old lr, and a cosine schedule over 2 steps (warmup 1)
+    resumed for 4 (warmup 2) trained step 3 at the old schedule's end, lr 0, where an uninterrupted 4-step run has
+    0.001. Worker.resume_schedule uses only the optimizer and the scheduler, so a plain module stands in."""
+    from types import SimpleNamespace
+    from config import Config
+    from models import Worker, lr_lambda
+
+    def worker(lr, total_steps):
+        optim_cfg = Config(lr=lr, lr_warmup_steps=-1, lr_warmup_steps_ratio=0.5, min_lr_ratio=0.0, num_cycles=0.5,
+                           warmup_style="cosine")
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+        return SimpleNamespace(optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(optim_cfg, total_steps)))
+
+    checkpointed = worker(1e-3, total_steps=2)
+    for _ in range(2):                                   # two steps: lr 0, then 0.001; the next would be 0
+        checkpointed.optimizer.step()
+        checkpointed.scheduler.step()
+    saved = checkpointed.scheduler.state_dict()
+    same = worker(1e-3, total_steps=2)
+    assert Worker.resume_schedule(same, saved) == (0.0, 0.0)        # same settings: the checkpoint's lr
+    longer = worker(1e-3, total_steps=4)                 # warmup 2: steps 0..3 at 0, 0.0005, 0.001, 0.0005
+    assert Worker.resume_schedule(longer, saved) == (0.0, 1e-3)
+    assert longer.optimizer.param_groups[0]["lr"] == longer.scheduler.get_last_lr()[0] == 1e-3
+    longer.optimizer.step()
+    longer.scheduler.step()
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    lower = worker(1e-5, total_steps=4)                  # another optim.lr: this run's, at the same place
+    assert Worker.resume_schedule(lower, saved) == (0.0, 1e-5)
+
+
 def test_critic_or_reward_model_that_does_not_fit_is_a_clear_error(tiny_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
     from config import ConfigError

@@ -457,6 +457,33 @@ def test_a_step_budget_under_max_num_seqs_is_a_config_error_where_vllm_would_get
         check_model_fits_rollout(one_more, "cpu")
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.rollout.temperature=2.5"],
+     r"vLLM refuses the sampling settings under 'actor_rollout_ref.rollout' \(temperature must be in \[0, 2\], "
+     r"got 2.5"),
+    (["actor_rollout_ref.rollout.val_kwargs.temperature=5", "actor_rollout_ref.rollout.val_kwargs.do_sample=true"],
+     r"vLLM refuses the sampling settings under 'actor_rollout_ref.rollout.val_kwargs' \(temperature must be"),
+    (["actor_rollout_ref.rollout.temperature=1e-6"],
+     r"'actor_rollout_ref.rollout.temperature'=1e-06: vLLM would sample at 0.01 instead .* divide the logits by "
+     r"1e-06; set it to 0.01 or more, or use the hf engine"),
+])
+def test_sampling_settings_vllm_refuses_or_changes_are_config_errors(tiny_model_dir, tmp_path, clean_env, overrides,
+                                                                     message):
+    """Found by fuzzing: a temperature over 2 (training, or sampled validation) stopped the run at the first
+    generate, after the models had loaded; at 1e-6 vLLM sampled at 0.01 while the actor's log-probs used 1e-6, and
+    the first update's gradient norm was in the hundreds. The hf engine takes all of them; greedy validation and
+    temperatures vLLM keeps pass."""
+    from rollout import check_model_fits_rollout
+    with pytest.raises(ConfigError, match=message):
+        check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, *overrides), "cpu")
+    check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, *overrides, "actor_rollout_ref.rollout.name=hf"),
+                             "cpu")
+    check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.temperature=0.01",
+                                         "actor_rollout_ref.rollout.val_kwargs.temperature=5"), "cpu")   # greedy val
+    check_model_fits_rollout(vllm_config(tiny_model_dir, tmp_path, "actor_rollout_ref.rollout.val_kwargs.temperature=2",
+                                         "actor_rollout_ref.rollout.val_kwargs.do_sample=true"), "cpu")
+
+
 def test_the_hf_engine_warns_of_sequences_past_the_models_positions(tiny_model_dir, tmp_path):
     """Found: prompt + response past the demo model's 512 positions trained without a word with the hf engine."""
     from rollout import check_model_fits_rollout
