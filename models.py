@@ -534,9 +534,9 @@ class Worker:
         """Take the checkpoint's place in the LR schedule, keeping this run's schedule (optim.lr, warmup,
         total_training_steps). LambdaLR's state alone (what verl's checkpoint manager loads; minirl differs on
         purpose) restores the checkpoint's base lr, and the optimizer's state the lr its last step left, so a
-        resume with another optim.lr kept the old one and a cosine schedule
-        lengthened by more total steps trained a step at the old schedule's end (lr 0). With the same settings the
-        lr is the checkpoint's, bit for bit. Returns (the checkpoint's lr, this run's lr) of the first group."""
+        resume with another optim.lr kept the old one and a cosine schedule lengthened by more total steps trained
+        a step at the old schedule's end (lr 0). With the same settings the lr is the checkpoint's, bit for bit.
+        Returns (the checkpoint's lr, this run's lr) of the first group."""
         base_lrs = list(self.scheduler.base_lrs)                 # this run's optim.lr
         self.scheduler.load_state_dict(scheduler_state)         # its place: last_epoch
         saved_lr = self.scheduler.get_last_lr()[0]

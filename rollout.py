@@ -372,9 +372,9 @@ def vllm_sampling_kwargs(sampling):
 
 def check_vllm_sampling(rollout):
     """The training and validation samplings as vLLM's SamplingParams takes them, before any model loads: it
-    refuses a temperature over 2 or a top_p of 0 only when a step builds them, and it silently raises a training
-    temperature under 0.01 to 0.01, so it would sample from another distribution than the one the actor's
-    log-probs divide the logits for (exploding gradients at 1e-6)."""
+    refuses a temperature over 2 only when a step builds them, and it silently raises a training temperature under
+    0.01 to 0.01, so it would sample from another distribution than the one the actor's log-probs divide the
+    logits for (exploding gradients at 1e-6)."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
     for section, validate in (("actor_rollout_ref.rollout", False), ("actor_rollout_ref.rollout.val_kwargs", True)):
