@@ -282,6 +282,19 @@ def test_load_contents_model_only_resumes_the_weights_with_a_fresh_optimizer(run
         "a fresh Adam's first steps should move the weights otherwise than the continued one"
 
 
+def test_a_resume_with_another_lr_trains_at_it_from_the_checkpoints_step(run_a, demo_dir, data_file, tmp_path):
+    """Found by fuzzing: the LR schedule's state carried the checkpoint's base lr, so a resume with another optim.lr
+    trained on at the old one. Resumed from step 4 with lr 5e-4 (the run's 1e-3 halved; constant schedule), step 5
+    logs 5e-4 and says so; step 4's row, which the checkpoint keeps, is the checkpointed run's."""
+    step4 = run_a / "checkpoints" / "global_step_4"
+    out = train(demo_dir, data_file, tmp_path, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step4}",
+                "actor_rollout_ref.actor.optim.lr=5e-4")
+    rows = metric_rows(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["actor/lr"]) for r in rows] == [(4, 1e-3), (5, 5e-4)]
+    assert "the LR schedule follows this run's optim settings from here: lr 0.0005 where the checkpointed run would " \
+           "have gone on at 0.001" in out.stderr
+
+
 def test_load_contents_must_name_the_model(ckpt_copy):
     cfg = resume_cfg("trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt_copy / 'global_step_4'}",
                      "actor_rollout_ref.actor.checkpoint.load_contents=[optimizer]")

@@ -378,6 +378,14 @@ def test_a_resume_keeps_its_place_in_the_schedule_and_takes_this_runs_settings()
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
     lower = worker(1e-5, total_steps=4)                  # another optim.lr: this run's, at the same place
     assert Worker.resume_schedule(lower, saved) == (0.0, 1e-5)
+    midway = worker(1e-3, total_steps=4)                 # same settings mid-schedule: the checkpoint's lr exactly
+    for _ in range(3):
+        midway.optimizer.step()
+        midway.scheduler.step()
+    checkpoint_lr = midway.optimizer.param_groups[0]["lr"]
+    assert checkpoint_lr > 0
+    assert Worker.resume_schedule(worker(1e-3, total_steps=4), midway.scheduler.state_dict()) == (checkpoint_lr,
+                                                                                                  checkpoint_lr)
 
 
 def test_critic_or_reward_model_that_does_not_fit_is_a_clear_error(tiny_tokenizer_dir, tmp_path):
